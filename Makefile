@@ -1,0 +1,36 @@
+# Two commands for a new user: `make demo` (the main job) and `make test` (the test suite).
+# Each creates .venv on a fresh machine and installs meshkit into it (editable).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DEVICES ?= 8
+DEMO_DIR ?= runs/lm_cpu
+
+.PHONY: demo test test-all bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+# Trains the CPU LM on 8 simulated devices (fsdp x tensor), saves a checkpoint, prints a sample.
+# A second `make demo` resumes from that checkpoint and has nothing left to do; `make clean` resets.
+demo: $(VENV)/.installed
+	XLA_FLAGS=--xla_force_host_platform_device_count=$(DEVICES) \
+	  $(BIN)/python -m toolkit.train --config=experiments/lm.py:cpu --workdir=$(DEMO_DIR)
+
+# The default suite: everything but tests marked slow (~10 minutes on 2 cores).
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(VENV)/.installed
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed
+	$(BIN)/python scripts/bench_step.py
+
+clean:
+	rm -rf runs

@@ -1,0 +1,16 @@
+"""Meshes, logical sharding rules and sharding reports.
+
+This package knows nothing about models or the training loop: models speak logical axis
+names (``sharding.axes``), rules map those names onto mesh axes, and the mesh maps mesh axes
+onto devices.
+"""
+from sharding.axes import LOGICAL_AXES
+from sharding.errors import ShardingError
+from sharding.mesh import MESH_AXES, make_mesh, parse_axis_sizes
+from sharding.rules import PRESETS, Rules, activation_rules, constrain
+from sharding.report import ShardingReport, sharding_report
+
+__all__ = [
+    "LOGICAL_AXES", "MESH_AXES", "PRESETS", "Rules", "ShardingError", "ShardingReport",
+    "activation_rules", "constrain", "make_mesh", "parse_axis_sizes", "sharding_report",
+]

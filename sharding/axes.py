@@ -1,0 +1,16 @@
+"""The canonical logical axis names models use; rules map each onto mesh axes (or none)."""
+
+LOGICAL_AXES: dict[str, str] = {
+    "batch": "examples in a batch (activations, data)",
+    "length": "token positions in a sequence (activations)",
+    "embed": "the model (residual stream) width",
+    "heads": "query attention heads",
+    "kv_heads": "key/value attention heads (fewer than heads under grouped-query attention)",
+    "head_dim": "the width of one attention head",
+    "mlp": "the hidden width of the feed-forward block",
+    "vocab": "token ids of the vocabulary (embedding rows, logits)",
+    "layers": "the stacked-layer axis of scanned transformer blocks",
+    "norm": "the scale vector of a normalization layer",
+    "classes": "output classes of a classifier head",
+    "patch": "flattened image-patch features",
+}

@@ -1,0 +1,167 @@
+"""Rules: which mesh axes each logical axis is split over, kept apart for parameters at rest
+and for activations in compute (so FSDP is a change of table, not of model code).
+
+Each preset is one table per role with one entry per logical name (`sharding.axes`). An entry
+is a tuple of mesh axes (split over their product, in order) or () for replicated. Mesh axes
+that the current mesh lacks are dropped, so `batch -> (data, fsdp)` works on an fsdp-only mesh.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding.axes import LOGICAL_AXES
+from sharding.errors import ShardingError
+from sharding.mesh import MESH_AXES
+
+Table = Mapping[str, tuple[str, ...]]
+
+_BATCH = ("data", "fsdp")
+_REPLICATED: Table = {name: () for name in LOGICAL_AXES}
+
+
+def _table(**entries: tuple[str, ...]) -> Table:
+  return {**_REPLICATED, **entries}
+
+
+# preset -> (parameter table, activation table)
+PRESETS: dict[str, tuple[Table, Table]] = {
+    # Data parallel: parameters replicated, the batch split over every batch-like axis.
+    "dp": (_table(), _table(batch=_BATCH)),
+    # ZeRO-3 style: parameters stored split along `embed` over fsdp, gathered for compute.
+    "fsdp": (_table(embed=("fsdp",)), _table(batch=_BATCH)),
+    # Megatron-style tensor parallel: heads, mlp and vocab split over tensor, weights and
+    # activations alike; the residual stream stays whole.
+    "tp": (
+        _table(heads=("tensor",), kv_heads=("tensor",), mlp=("tensor",), vocab=("tensor",)),
+        _table(batch=_BATCH, heads=("tensor",), kv_heads=("tensor",), mlp=("tensor",),
+               vocab=("tensor",)),
+    ),
+    # Both: fsdp over the residual width at rest, tensor over heads/mlp/vocab.
+    "fsdp_tp": (
+        _table(embed=("fsdp",), heads=("tensor",), kv_heads=("tensor",), mlp=("tensor",),
+               vocab=("tensor",)),
+        _table(batch=_BATCH, heads=("tensor",), kv_heads=("tensor",), mlp=("tensor",),
+               vocab=("tensor",)),
+    ),
+}
+
+
+def parse_overrides(text: str, field: str) -> dict[str, tuple[str, ...]]:
+  """Parses ``"kv_heads=none,batch=data+fsdp"`` into ``{"kv_heads": (), "batch": ("data", "fsdp")}``."""
+  overrides: dict[str, tuple[str, ...]] = {}
+  for item in (part.strip() for part in text.split(",")):
+    if not item:
+      continue
+    name, sep, value = item.partition("=")
+    name, value = name.strip(), value.strip()
+    if not sep or not name:
+      raise ShardingError(
+          f"{field}: entry {item!r} is not 'logical=mesh_axis'; write e.g. 'mlp=tensor,vocab=none'")
+    if name not in LOGICAL_AXES:
+      raise ShardingError(
+          f"{field}: unknown logical axis {name!r}; known: {', '.join(LOGICAL_AXES)}")
+    axes = () if value.lower() in ("", "none") else tuple(a.strip() for a in value.split("+"))
+    for axis in axes:
+      if axis not in MESH_AXES:
+        raise ShardingError(
+            f"{field}: {name}={value!r} names unknown mesh axis {axis!r}; "
+            f"use one of {', '.join(MESH_AXES)} or 'none'")
+    overrides[name] = axes
+  return overrides
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+  """A parameter table and an activation table, each logical name -> mesh axes."""
+  params: Table
+  activations: Table
+  name: str = "custom"
+
+  @classmethod
+  def preset(cls, name: str, param_overrides: str = "", activation_overrides: str = "") -> Rules:
+    if name not in PRESETS:
+      raise ShardingError(
+          f"sharding.preset={name!r} is unknown; choose one of {', '.join(PRESETS)}")
+    params, activations = PRESETS[name]
+    return cls(
+        params={**params, **parse_overrides(param_overrides, "sharding.param_overrides")},
+        activations={**activations,
+                     **parse_overrides(activation_overrides, "sharding.activation_overrides")},
+        name=name)
+
+  def param_spec(self, logical_axes: Sequence[str | None], mesh: Mesh,
+                 shape: Sequence[int] | None = None, what: str = "parameter") -> PartitionSpec:
+    return _resolve(self.params, logical_axes, mesh, shape, what, "sharding.param_overrides")
+
+  def activation_spec(self, logical_axes: Sequence[str | None], mesh: Mesh,
+                      shape: Sequence[int] | None = None, what: str = "activation") -> PartitionSpec:
+    return _resolve(self.activations, logical_axes, mesh, shape, what,
+                    "sharding.activation_overrides")
+
+
+def _resolve(table: Table, logical_axes: Sequence[str | None], mesh: Mesh,
+             shape: Sequence[int] | None, what: str, knob: str) -> PartitionSpec:
+  """Maps logical axes to a PartitionSpec, failing on unknown names, reused mesh axes and
+  dimensions that the mesh axes do not divide."""
+  if shape is not None and len(shape) != len(logical_axes):
+    raise ShardingError(
+        f"{what}: {len(logical_axes)} logical axes {tuple(logical_axes)} for a "
+        f"{len(shape)}-d array of shape {tuple(shape)}")
+  used: dict[str, str] = {}
+  entries: list[str | tuple[str, ...] | None] = []
+  for dim, name in enumerate(logical_axes):
+    if name is None:
+      entries.append(None)
+      continue
+    if name not in table:
+      raise ShardingError(
+          f"{what}: unknown logical axis {name!r}; known: {', '.join(sorted(table))}")
+    axes = tuple(axis for axis in table[name] if axis in mesh.shape)
+    for axis in axes:
+      if axis in used:
+        raise ShardingError(
+            f"{what}: logical axes {used[axis]!r} and {name!r} both map to mesh axis {axis!r}; "
+            f"one array cannot use a mesh axis twice; change one of them with {knob}")
+      used[axis] = name
+    if shape is not None and axes:
+      ways = math.prod(mesh.shape[axis] for axis in axes)
+      if shape[dim] % ways:
+        split = "x".join(f"{axis}={mesh.shape[axis]}" for axis in axes)
+        raise ShardingError(
+            f"{what}: dimension {dim} ({name}) has size {shape[dim]}, not divisible by "
+            f"{split} ({ways} ways); set {knob}='{name}=none' or change the mesh or model size")
+    entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return PartitionSpec(*entries)
+
+
+_ACTIVE: contextvars.ContextVar[tuple[Rules, Mesh] | None] = contextvars.ContextVar(
+    "meshkit_activation_rules", default=None)
+
+
+@contextlib.contextmanager
+def activation_rules(rules: Rules, mesh: Mesh) -> Iterator[None]:
+  """Makes `constrain` place activations on `mesh` by `rules` while tracing inside this block."""
+  token = _ACTIVE.set((rules, mesh))
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """Sharding constraint by logical axes; a no-op outside `activation_rules` (e.g. unsharded)."""
+  active = _ACTIVE.get()
+  if active is None:
+    return x
+  rules, mesh = active
+  spec = rules.activation_spec(logical_axes, mesh, x.shape)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

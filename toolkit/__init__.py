@@ -1,0 +1,1 @@
+"""Process setup, state, the jitted step, the loop, checkpointing, data and metrics."""

@@ -1,0 +1,131 @@
+"""The experiment config's defaults and its one validation pass.
+
+`defaults()` is the single shared fragment every experiment starts from; `resolve()` checks
+every field once, before anything touches the workdir, and returns typed pieces. Each error
+names the field, the value and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+
+import jax
+import ml_collections
+from jax.sharding import Mesh
+
+import sharding
+from models import LlamaConfig
+
+
+class ConfigError(ValueError):
+  """A config or input mistake the user can fix; the message names the field and the fix."""
+
+
+def defaults() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.model = ml_collections.ConfigDict(dataclasses.asdict(LlamaConfig.preset("cpu")))
+  c.mesh = ml_collections.ConfigDict(dict(ici="data:1,fsdp:-1,tensor:1", dcn=""))
+  c.sharding = ml_collections.ConfigDict(dict(
+      preset="fsdp", param_overrides="", activation_overrides="",
+      max_replicated_fraction=0.05, replicated_action="warn"))
+  c.data = ml_collections.ConfigDict(dict(
+      source="stdlib_docs", seq_len=128, global_batch_size=32, eval_batches=4,
+      eval_fraction=0.1))
+  c.optimizer = ml_collections.ConfigDict(dict(
+      learning_rate=3e-3, min_lr_ratio=0.1, warmup_steps=20, b1=0.9, b2=0.95, eps=1e-8,
+      weight_decay=0.1, clip_norm=1.0))
+  c.train = ml_collections.ConfigDict(dict(
+      steps=300, microbatches=1, log_every=25, eval_every=100, checkpoint_every=100,
+      keep_checkpoints=3, resume_from="", peak_flops_per_device=0.0, sample_tokens=200,
+      sample_prompt="The ", transfer_guard=True))
+  return c
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """What `resolve` checked: typed pieces the loop uses."""
+  model: LlamaConfig
+  mesh: Mesh
+  rules: sharding.Rules
+  batch_ways: int
+
+
+_SOURCES = ("stdlib_docs", "synthetic")
+
+
+def resolve(config: ml_collections.ConfigDict,
+            devices: Sequence[jax.Device] | None = None) -> RunSpec:
+  """Validates `config` against the devices; raises ConfigError or ShardingError."""
+  known = set(defaults().keys())
+  for key in config.keys():
+    if key not in known:
+      raise ConfigError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}")
+  model = _model(config.model)
+  mesh = sharding.make_mesh(sharding.parse_axis_sizes(config.mesh.ici, "mesh.ici"),
+                            sharding.parse_axis_sizes(config.mesh.dcn, "mesh.dcn"), devices)
+  s = config.sharding
+  rules = sharding.Rules.preset(s.preset, s.param_overrides, s.activation_overrides)
+  if s.replicated_action not in ("warn", "fail"):
+    raise ConfigError(f"sharding.replicated_action={s.replicated_action!r}; use 'warn' or 'fail'")
+  if not 0 <= s.max_replicated_fraction <= 1:
+    raise ConfigError(f"sharding.max_replicated_fraction={s.max_replicated_fraction} must be in "
+                      f"[0, 1]")
+
+  d = config.data
+  if d.source not in _SOURCES:
+    raise ConfigError(f"data.source={d.source!r} is unknown; choose one of {', '.join(_SOURCES)}")
+  if d.source == "stdlib_docs" and model.vocab_size < 256:
+    raise ConfigError(f"model.vocab_size={model.vocab_size} is below 256, the byte-level "
+                      f"vocabulary of data.source='stdlib_docs'; set model.vocab_size>=256")
+  _positive(d, "data", "seq_len", "global_batch_size", "eval_batches")
+  if not 0 < d.eval_fraction < 1:
+    raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be between 0 and 1")
+  batch_spec = rules.activation_spec(("batch",), mesh)
+  batch_axes = [a for e in batch_spec if e for a in ((e,) if isinstance(e, str) else e)]
+  batch_ways = math.prod(mesh.shape[a] for a in batch_axes)
+  t = config.train
+  _positive(t, "train", "steps", "microbatches", "log_every", "eval_every", "checkpoint_every",
+            "keep_checkpoints")
+  if d.global_batch_size % t.microbatches:
+    raise ConfigError(
+        f"data.global_batch_size={d.global_batch_size} is not divisible by train.microbatches="
+        f"{t.microbatches}; pick a micro-batch count that divides the batch")
+  micro = d.global_batch_size // t.microbatches
+  if micro % batch_ways:
+    axes = "x".join(f"{a}={mesh.shape[a]}" for a in batch_axes)
+    raise ConfigError(
+        f"data.global_batch_size={d.global_batch_size} (micro-batch {micro}) is not divisible by "
+        f"the batch-sharding axes {axes} ({batch_ways} ways); use a multiple of "
+        f"{batch_ways * t.microbatches}")
+  o = config.optimizer
+  if o.learning_rate <= 0:
+    raise ConfigError(f"optimizer.learning_rate={o.learning_rate} must be > 0")
+  if t.resume_from and not os.path.isdir(t.resume_from):
+    raise ConfigError(f"train.resume_from={t.resume_from!r} is not a directory; give a workdir "
+                      f"or its checkpoints/ folder")
+  if t.peak_flops_per_device < 0:
+    raise ConfigError(f"train.peak_flops_per_device={t.peak_flops_per_device} must be >= 0")
+  return RunSpec(model=model, mesh=mesh, rules=rules, batch_ways=batch_ways)
+
+
+def _model(section: ml_collections.ConfigDict) -> LlamaConfig:
+  fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+  unknown = sorted(set(section.keys()) - fields)
+  if unknown:
+    raise ConfigError(f"model.{unknown[0]} is not a LlamaConfig field; known: "
+                      f"{', '.join(sorted(fields))}")
+  model = LlamaConfig(**section.to_dict())
+  try:
+    model.validate()
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  return model
+
+
+def _positive(section: ml_collections.ConfigDict, name: str, *fields: str) -> None:
+  for field in fields:
+    if getattr(section, field) < 1:
+      raise ConfigError(f"{name}.{field}={getattr(section, field)} must be >= 1")

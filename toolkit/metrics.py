@@ -1,0 +1,83 @@
+"""Metric output: a JSONL file, TensorBoard event files (tensorboardX; no TensorFlow), the
+progress line, and a loss-curve PNG. Only process 0 writes."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+
+
+def format_duration(seconds: float) -> str:
+  seconds = max(0, int(seconds))
+  hours, rest = divmod(seconds, 3600)
+  minutes, secs = divmod(rest, 60)
+  return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def progress_line(step: int, total: int, metrics: dict[str, float], step_seconds: float,
+                  tokens_per_step: int, flops_per_step: float, peak_flops_total: float) -> str:
+  tokens_per_second = tokens_per_step / step_seconds if step_seconds > 0 else float("nan")
+  parts = [f"step {step}/{total}", f"loss {metrics['loss']:.4f}",
+           f"lr {metrics['learning_rate']:.2e}", f"grad_norm {metrics['grad_norm']:.3f}",
+           f"step {step_seconds * 1000:.0f} ms", f"{tokens_per_second:,.0f} tok/s"]
+  if peak_flops_total > 0:
+    parts.append(f"MFU {flops_per_step / step_seconds / peak_flops_total:.1%}")
+  parts.append(f"ETA {format_duration((total - step) * step_seconds)}")
+  return " | ".join(parts)
+
+
+class MetricWriter:
+  """Appends records to workdir/metrics.jsonl and TensorBoard scalars to workdir/tensorboard."""
+
+  def __init__(self, workdir: str):
+    self.enabled = jax.process_index() == 0
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._tb = None
+    if self.enabled:
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def write(self, step: int, kind: str, values: dict[str, float]) -> None:
+    if not self.enabled:
+      return
+    with open(self.path, "a") as f:
+      f.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
+    for name, value in values.items():
+      self._tb.add_scalar(f"{kind}/{name}", value, step)
+    self._tb.flush()
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+
+
+def read_metrics(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss_curve(metrics_path: str, png_path: str) -> str | None:
+  """Train and eval loss vs step from the JSONL file, as bits per byte-token."""
+  records = read_metrics(metrics_path)
+  if not records or jax.process_index() != 0:
+    return None
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+  for kind, style in (("train", "-"), ("eval", "o-")):
+    points = sorted({r["step"]: r["loss"] for r in records if r["kind"] == kind}.items())
+    if points:
+      ax.plot([s for s, _ in points], [l / math.log(2) for _, l in points], style, label=kind)
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss (bits per token)")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(png_path)
+  plt.close(fig)
+  return png_path

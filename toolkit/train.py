@@ -1,0 +1,253 @@
+"""Training: `run(config, workdir)` and its command line.
+
+  python -m toolkit.train --config=experiments/lm.py:cpu --workdir=/tmp/lm
+
+The loop reads top to bottom: setup -> mesh -> data -> abstract state -> shardings ->
+restore-or-init -> compile -> loop, with periodic work (log, eval, checkpoint) every N steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+import sharding
+from toolkit import checkpoint, config as config_lib, data, metrics as metrics_lib, state as state_lib
+from toolkit import step as step_lib
+from toolkit.config import ConfigError
+from toolkit.sample import sample_text
+
+# Dense bf16 peak FLOP/s per chip, used for MFU when train.peak_flops_per_device is 0.
+PEAK_FLOPS_BY_DEVICE_KIND = {
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
+    "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12,
+    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12,
+}
+
+
+class NonFiniteLoss(RuntimeError):
+  """Training produced a NaN or infinite loss; no checkpoint of that state was written."""
+
+
+def log(message: str) -> None:
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
+def _prepare_workdir(workdir: str) -> None:
+  if not workdir:
+    raise ConfigError("--workdir is empty; give a directory for checkpoints and metrics")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f"--workdir={workdir!r} cannot be created ({e.strerror}); choose a "
+                      f"writable directory") from None
+  if not os.access(workdir, os.W_OK | os.X_OK):
+    raise ConfigError(f"--workdir={workdir!r} is not writable; choose a writable directory")
+
+
+class _StopSignal:
+  """SIGTERM/SIGINT set a flag; the loop finishes its step, saves and exits cleanly."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = {}
+
+  def __enter__(self):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._previous[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread: leave signals alone
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.requested = True
+    log(f"received {signal.Signals(signum).name}: finishing this step, then saving")
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+@dataclasses.dataclass
+class RunResult:
+  final_step: int
+  train_losses: dict[int, float]
+  eval_losses: dict[int, float]
+  stopped_early: bool
+  sample: str | None = None
+
+
+def _peak_flops(config) -> float:
+  if config.train.peak_flops_per_device > 0:
+    return config.train.peak_flops_per_device
+  return PEAK_FLOPS_BY_DEVICE_KIND.get(jax.devices()[0].device_kind, 0.0)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
+  """Trains per `config`, checkpointing into `workdir`; resumes if the workdir has a checkpoint."""
+  # --- setup: validate everything before touching the workdir --------------------------------
+  spec = config_lib.resolve(config)
+  mesh, rules, model_cfg = spec.mesh, spec.rules, spec.model
+  _prepare_workdir(workdir)
+  total_steps = config.train.steps
+  log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} in "
+      f"{jax.process_count()} process(es); mesh {dict(mesh.shape)}; rules {rules.name}")
+
+  # --- data --------------------------------------------------------------------------------
+  batch_sharding = jax.sharding.NamedSharding(
+      mesh, rules.activation_spec(("batch", None), mesh))
+  batches = data.Batches(data.TokenSource.from_config(config.data, model_cfg.vocab_size),
+                         config.seed, config.data.seq_len, config.data.global_batch_size,
+                         config.data.eval_batches, batch_sharding)
+
+  # --- abstract state and shardings ----------------------------------------------------------
+  optimizer = step_lib.make_optimizer(config.optimizer, total_steps)
+  schedule = step_lib.learning_rate_schedule(config.optimizer, total_steps)
+  layout = state_lib.layout(model_cfg, optimizer, rules, mesh)
+  log(layout.report.format())
+  warning = layout.report.check_replicated(config.sharding.max_replicated_fraction,
+                                           config.sharding.replicated_action)
+  if warning:
+    log(f"warning: {warning}")
+
+  # --- restore or init -----------------------------------------------------------------------
+  checkpoints = checkpoint.Checkpoints(os.path.join(workdir, "checkpoints"),
+                                       keep=config.train.keep_checkpoints)
+  source, restore_step = checkpoint.find_resume_point(checkpoints, config.train.resume_from)
+  if source is not None:
+    checkpoint.check_compatible(source.saved_config(restore_step), model_cfg,
+                                f"{source.directory} step {restore_step}")
+    state, _ = source.restore(restore_step, layout.abstract)
+    log(f"restored step {restore_step} from {source.directory}")
+  else:
+    state = state_lib.create(model_cfg, optimizer, layout, config.seed)
+  start_step = int(jax.device_get(state["step"]))
+  if start_step > total_steps:
+    raise ConfigError(f"the checkpoint is at step {start_step}, past train.steps={total_steps}; "
+                      f"raise train.steps to continue training")
+  config_dict = checkpoint.config_to_dict(config)
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+
+  # --- compile once --------------------------------------------------------------------------
+  step = step_lib.make_train_step(layout.graphdef, optimizer, schedule,
+                                  config.train.microbatches, rules, mesh)
+  compile_start = time.perf_counter()
+  train_step, eval_step = step_lib.compile_step(step, layout, batches.abstract(), mesh)
+  memory = train_step.memory_analysis()
+  log(f"compiled the step in {time.perf_counter() - compile_start:.1f} s" + (
+      f"; per device: {memory.argument_size_in_bytes / 2**20:.1f} MiB arguments, "
+      f"{memory.temp_size_in_bytes / 2**20:.1f} MiB temporaries" if memory else ""))
+
+  tokens_per_step = config.data.global_batch_size * config.data.seq_len
+  flops_per_step = model_cfg.flops_per_token(config.data.seq_len) * tokens_per_step
+  peak_total = _peak_flops(config) * jax.device_count()
+  writer = metrics_lib.MetricWriter(workdir)
+  result = RunResult(final_step=start_step, train_losses={}, eval_losses={}, stopped_early=False)
+
+  def evaluate(at_step: int) -> None:
+    losses = [eval_step(state, batches.eval_batch(i)) for i in range(config.data.eval_batches)]
+    loss = float(np.mean(jax.device_get(losses)))
+    result.eval_losses[at_step] = loss
+    writer.write(at_step, "eval", {"loss": loss, "bits_per_byte": loss / math.log(2)})
+    log(f"eval at step {at_step}: loss {loss:.4f} ({loss / math.log(2):.3f} bits per byte)")
+
+  def flush(pending: list, seconds: float) -> None:
+    """Fetches pending step metrics, stops on a non-finite loss, logs the latest."""
+    fetched = jax.device_get([m for _, m in pending])
+    for (at_step, _), values in zip(pending, fetched):
+      values = {k: float(v) for k, v in values.items()}
+      if not math.isfinite(values["loss"]):
+        raise NonFiniteLoss(
+            f"loss is {values['loss']} at step {at_step}; stopped without saving that state. "
+            f"Lower optimizer.learning_rate or clip harder (optimizer.clip_norm)")
+      result.train_losses[at_step] = values["loss"]
+      writer.write(at_step, "train", values)
+    log(metrics_lib.progress_line(pending[-1][0], total_steps, values, seconds / len(pending),
+                                  tokens_per_step, flops_per_step, peak_total))
+    pending.clear()
+
+  def save(at_step: int) -> None:
+    checkpoints.save(at_step, state, config_dict,
+                     {"step": at_step, "seed": config.seed, "source": config.data.source})
+
+  # --- loop ----------------------------------------------------------------------------------
+  if start_step == 0:
+    evaluate(0)
+  pending: list = []
+  interval_start = time.perf_counter()
+  guard = "disallow" if config.train.transfer_guard else "allow"
+  try:
+    with _StopSignal() as stop, jax.transfer_guard(guard):
+      for current in range(start_step, total_steps):
+        with jax.transfer_guard("allow"):  # placing the batch is the one intended transfer
+          batch = batches.batch(current)
+        state, step_metrics = train_step(state, batch)
+        done = current + 1
+        pending.append((done, step_metrics))
+        at_end = done == total_steps
+        save_now = done % config.train.checkpoint_every == 0 or at_end or stop.requested
+        if done % config.train.log_every == 0 or save_now:
+          flush(pending, time.perf_counter() - interval_start)
+          interval_start = time.perf_counter()
+        if done % config.train.eval_every == 0 or at_end:
+          evaluate(done)
+        if save_now:
+          save(done)
+        result.final_step = done
+        if stop.requested:
+          result.stopped_early = True
+          log(f"stopped at step {done} on request; checkpoint saved")
+          break
+  finally:
+    checkpoints.close()
+    writer.close()
+  if jax.process_index() == 0:
+    plot = metrics_lib.plot_loss_curve(writer.path, os.path.join(workdir, "loss.png"))
+    if plot:
+      log(f"loss curve: {plot}")
+    if config.train.sample_tokens > 0 and not result.stopped_early:
+      result.sample = sample_text(layout.graphdef, state["params"], config.train.sample_prompt,
+                                  config.train.sample_tokens, config.data.seq_len, seed=config.seed)
+      log(f"sample:\n{result.sample}")
+  return result
+
+
+def cli() -> None:
+  """`python -m toolkit.train` / `meshkit-train`: flags are defined here and nowhere else."""
+  from absl import app, flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  config_flag = config_flags.DEFINE_config_file(
+      "config", None, "Experiment file and variant, e.g. experiments/lm.py:cpu. Override single "
+      "fields with --config.FIELD=VALUE.", lock_config=True)
+  workdir_flag = flags.DEFINE_string(
+      "workdir", None, "Directory for checkpoints, metrics and plots; a run resumes from its "
+      "latest checkpoint.")
+  flags.mark_flags_as_required(["config", "workdir"])
+
+  def main(argv) -> None:
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:
+      run(config_flag.value, workdir_flag.value)
+    except (ConfigError, sharding.ShardingError, NonFiniteLoss) as e:
+      print(f"error: {e}", file=sys.stderr, flush=True)
+      sys.exit(1)
+
+  app.run(main)
+
+
+if __name__ == "__main__":
+  cli()
