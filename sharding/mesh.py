@@ -32,7 +32,7 @@ def parse_axis_sizes(text: str, field: str = "mesh.ici") -> list[tuple[str, int]
     name, sep, size = item.partition(":")
     name = name.strip()
     try:
-      if not sep:
+      if not sep or not name:
         raise ValueError
       size_int = int(size)
     except ValueError:
@@ -91,7 +91,8 @@ def make_mesh(ici: AxisSizes, dcn: AxisSizes = (), devices: Sequence[jax.Device]
   num_slices = math.prod(size for _, size in dcn_pairs) if dcn_pairs else 1
   if len(devices) % num_slices:
     raise ShardingError(
-        f"{dcn_field}: {num_slices} slices do not divide {len(devices)} devices")
+        f"{dcn_field}: {num_slices} slices do not divide {len(devices)} devices; "
+        f"choose sizes whose product divides {len(devices)}")
   ici_pairs = _fill_sizes(ici, len(devices) // num_slices, ici_field, "devices per slice")
   names = [name for name, _ in ici_pairs]
   for name, _ in dcn_pairs:

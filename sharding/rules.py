@@ -8,7 +8,6 @@ that the current mesh lacks are dropped, so `batch -> (data, fsdp)` works on an 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -67,12 +66,18 @@ def parse_overrides(text: str, field: str) -> dict[str, tuple[str, ...]]:
     if name not in LOGICAL_AXES:
       raise ShardingError(
           f"{field}: unknown logical axis {name!r}; known: {', '.join(LOGICAL_AXES)}")
+    # One entry per logical name, as in the tables: a second one would silently win.
+    if name in overrides:
+      raise ShardingError(f"{field}: logical axis {name!r} is listed twice; list each once")
     axes = () if value.lower() in ("", "none") else tuple(a.strip() for a in value.split("+"))
     for axis in axes:
       if axis not in MESH_AXES:
         raise ShardingError(
             f"{field}: {name}={value!r} names unknown mesh axis {axis!r}; "
             f"use one of {', '.join(MESH_AXES)} or 'none'")
+    if len(set(axes)) < len(axes):
+      raise ShardingError(
+          f"{field}: {name}={value!r} repeats a mesh axis; name each mesh axis once")
     overrides[name] = axes
   return overrides
 
@@ -83,6 +88,11 @@ class Rules:
   params: Table
   activations: Table
   name: str = "custom"
+
+  def __hash__(self) -> int:
+    # The tables are dicts; hashing their items lets Rules key JAX's jit cache (see below).
+    return hash((self.name, tuple(sorted(self.params.items())),
+                 tuple(sorted(self.activations.items()))))
 
   @classmethod
   def preset(cls, name: str, param_overrides: str = "", activation_overrides: str = "") -> Rules:
@@ -113,7 +123,8 @@ def _resolve(table: Table, logical_axes: Sequence[str | None], mesh: Mesh,
   if shape is not None and len(shape) != len(logical_axes):
     raise ShardingError(
         f"{what}: {len(logical_axes)} logical axes {tuple(logical_axes)} for a "
-        f"{len(shape)}-d array of shape {tuple(shape)}")
+        f"{len(shape)}-d array of shape {tuple(shape)}; give one logical name (or None) "
+        f"per dimension")
   used: dict[str, str] = {}
   entries: list[str | tuple[str, ...] | None] = []
   for dim, name in enumerate(logical_axes):
@@ -143,23 +154,22 @@ def _resolve(table: Table, logical_axes: Sequence[str | None], mesh: Mesh,
   return PartitionSpec(*entries)
 
 
-_ACTIVE: contextvars.ContextVar[tuple[Rules, Mesh] | None] = contextvars.ContextVar(
-    "meshkit_activation_rules", default=None)
+# A JAX user context rather than a plain contextvar: its value is part of jit's cache key, so a
+# function traced outside `activation_rules` is traced again inside it instead of silently
+# reusing the unconstrained trace.
+_ACTIVE = jax.make_user_context(default_value=None)
 
 
 @contextlib.contextmanager
 def activation_rules(rules: Rules, mesh: Mesh) -> Iterator[None]:
   """Makes `constrain` place activations on `mesh` by `rules` while tracing inside this block."""
-  token = _ACTIVE.set((rules, mesh))
-  try:
+  with _ACTIVE((rules, mesh)):
     yield
-  finally:
-    _ACTIVE.reset(token)
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   """Sharding constraint by logical axes; a no-op outside `activation_rules` (e.g. unsharded)."""
-  active = _ACTIVE.get()
+  active = _ACTIVE.value
   if active is None:
     return x
   rules, mesh = active

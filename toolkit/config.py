@@ -36,7 +36,10 @@ def defaults() -> ml_collections.ConfigDict:
       eval_fraction=0.1))
   c.optimizer = ml_collections.ConfigDict(dict(
       learning_rate=3e-3, min_lr_ratio=0.1, warmup_steps=20, b1=0.9, b2=0.95, eps=1e-8,
-      weight_decay=0.1, clip_norm=1.0))
+      weight_decay=0.1, clip_norm=1.0,
+      # Length of the warmup + cosine schedule; 0 means train.steps. Set it to stop a run
+      # early (train.steps < schedule_steps) and continue it later on the same schedule.
+      schedule_steps=0))
   c.train = ml_collections.ConfigDict(dict(
       steps=300, microbatches=1, log_every=25, eval_every=100, checkpoint_every=100,
       keep_checkpoints=3, resume_from="", peak_flops_per_device=0.0, sample_tokens=200,
@@ -62,7 +65,8 @@ def resolve(config: ml_collections.ConfigDict,
   known = set(defaults().keys())
   for key in config.keys():
     if key not in known:
-      raise ConfigError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}")
+      raise ConfigError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}; "
+                        f"remove it from the experiment's get_config or fix its name")
   model = _model(config.model)
   mesh = sharding.make_mesh(sharding.parse_axis_sizes(config.mesh.ici, "mesh.ici"),
                             sharding.parse_axis_sizes(config.mesh.dcn, "mesh.dcn"), devices)
@@ -82,7 +86,8 @@ def resolve(config: ml_collections.ConfigDict,
                       f"vocabulary of data.source='stdlib_docs'; set model.vocab_size>=256")
   _positive(d, "data", "seq_len", "global_batch_size", "eval_batches")
   if not 0 < d.eval_fraction < 1:
-    raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be between 0 and 1")
+    raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be between 0 and 1 "
+                      f"(exclusive); e.g. 0.1 holds out a tenth of the text")
   batch_spec = rules.activation_spec(("batch",), mesh)
   batch_axes = [a for e in batch_spec if e for a in ((e,) if isinstance(e, str) else e)]
   batch_ways = math.prod(mesh.shape[a] for a in batch_axes)
@@ -101,13 +106,18 @@ def resolve(config: ml_collections.ConfigDict,
         f"the batch-sharding axes {axes} ({batch_ways} ways); use a multiple of "
         f"{batch_ways * t.microbatches}")
   o = config.optimizer
-  if o.learning_rate <= 0:
-    raise ConfigError(f"optimizer.learning_rate={o.learning_rate} must be > 0")
+  if o.schedule_steps < 0:
+    raise ConfigError(f"optimizer.schedule_steps={o.schedule_steps} must be >= 0 (0 means "
+                      f"train.steps)")
+  if not (o.learning_rate > 0 and math.isfinite(o.learning_rate)):  # also catches nan
+    raise ConfigError(f"optimizer.learning_rate={o.learning_rate} must be a finite number > 0; "
+                      f"give e.g. --config.optimizer.learning_rate=3e-3")
   if t.resume_from and not os.path.isdir(t.resume_from):
     raise ConfigError(f"train.resume_from={t.resume_from!r} is not a directory; give a workdir "
                       f"or its checkpoints/ folder")
   if t.peak_flops_per_device < 0:
-    raise ConfigError(f"train.peak_flops_per_device={t.peak_flops_per_device} must be >= 0")
+    raise ConfigError(f"train.peak_flops_per_device={t.peak_flops_per_device} must be >= 0; "
+                      f"0 looks the peak up from the device kind")
   return RunSpec(model=model, mesh=mesh, rules=rules, batch_ways=batch_ways)
 
 
@@ -128,4 +138,5 @@ def _model(section: ml_collections.ConfigDict) -> LlamaConfig:
 def _positive(section: ml_collections.ConfigDict, name: str, *fields: str) -> None:
   for field in fields:
     if getattr(section, field) < 1:
-      raise ConfigError(f"{name}.{field}={getattr(section, field)} must be >= 1")
+      raise ConfigError(f"{name}.{field}={getattr(section, field)} must be >= 1; give a positive "
+                        f"integer")

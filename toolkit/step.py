@@ -83,8 +83,8 @@ def apply_grads(optimizer: optax.GradientTransformation, state: State, grads) ->
 
 
 def step_metrics(loss: jax.Array, grads, params, learning_rate: jax.Array) -> Metrics:
-  return {"loss": loss, "grad_norm": optax.global_norm(grads),
-          "param_norm": optax.global_norm(params), "learning_rate": learning_rate}
+  return {"loss": loss, "grad_norm": optax.tree.norm(grads),
+          "param_norm": optax.tree.norm(params), "learning_rate": learning_rate}
 
 
 @dataclasses.dataclass

@@ -1,0 +1,206 @@
+"""ShardingReport: golden PartitionSpecs per model and preset, byte totals, the table, and the
+replicated-bytes check."""
+import json
+
+import jax
+import pytest
+
+from models import LlamaConfig
+from sharding import Rules, ShardingError, make_mesh, sharding_report
+from tests.sharding import regen_golden
+from tests.sharding.regen_golden import MODEL_PRESETS, RULES_PRESETS
+
+REGEN_HINT = ("resolved shardings differ from {path}; if the change is intended, run "
+              "`python -m tests.sharding.regen_golden` and review the diff")
+
+
+# ---------------------------------------------------------------------------------------------
+# Golden dumps
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", RULES_PRESETS)
+@pytest.mark.parametrize("model", MODEL_PRESETS)
+def test_specs_match_golden(model, preset):
+  path = regen_golden.golden_path(model, preset)
+  assert path.exists(), f"missing {path}; run `python -m tests.sharding.regen_golden`"
+  golden = json.loads(path.read_text())
+  assert regen_golden.resolved_specs(model, preset) == golden, REGEN_HINT.format(path=path)
+
+
+def test_no_stale_golden_files():
+  expected = {regen_golden.golden_path(m, p).name for m in MODEL_PRESETS for p in RULES_PRESETS}
+  assert {path.name for path in regen_golden.GOLDEN_DIR.glob("*.json")} == expected
+
+
+def test_golden_covers_every_parameter():
+  for model in MODEL_PRESETS:
+    paths = {path for path, *_ in regen_golden.entries(model)}
+    for preset in RULES_PRESETS:
+      golden = json.loads(regen_golden.golden_path(model, preset).read_text())
+      assert set(golden) == paths, (model, preset)
+
+
+# What the preset tables intend, written by hand so that regenerating the goldens cannot
+# silently bless a wrong table.
+INTENDED = {
+    "dp": {},  # every parameter P()
+    "fsdp": {
+        "embed": "P(None, 'fsdp')",
+        "unembed": "P('fsdp',)",
+        "layers/mlp/w_gate": "P(None, 'fsdp')",
+        "layers/mlp/w_down": "P(None, None, 'fsdp')",
+        "layers/attention/wo": "P(None, None, None, 'fsdp')",
+    },
+    "tp": {
+        "embed": "P('tensor',)",
+        "unembed": "P(None, 'tensor')",
+        "layers/mlp/w_gate": "P(None, None, 'tensor')",
+        "layers/mlp/w_down": "P(None, 'tensor')",
+        "layers/attention/wk": "P(None, None, 'tensor')",
+        "layers/attention/wo": "P(None, 'tensor')",
+    },
+    "fsdp_tp": {
+        "embed": "P('tensor', 'fsdp')",
+        "unembed": "P('fsdp', 'tensor')",
+        "layers/mlp/w_gate": "P(None, 'fsdp', 'tensor')",
+        "layers/mlp/w_down": "P(None, 'tensor', 'fsdp')",
+        "layers/attention/wq": "P(None, 'fsdp', 'tensor')",
+        "layers/attention/wo": "P(None, 'tensor', None, 'fsdp')",
+    },
+}
+
+
+@pytest.mark.parametrize("preset", RULES_PRESETS)
+@pytest.mark.parametrize("model", MODEL_PRESETS)
+def test_golden_matches_the_intent_of_the_preset(model, preset):
+  golden = json.loads(regen_golden.golden_path(model, preset).read_text())
+  for path, spec in golden.items():
+    if path.endswith("/scale") or preset == "dp":
+      assert spec == "P()", (path, spec)  # norms and everything under dp stay replicated
+      continue
+    if path in INTENDED[preset]:
+      assert spec == INTENDED[preset][path], path
+    # Every weight matrix has an `embed` dimension, and one of heads/kv_heads/mlp/vocab.
+    if "fsdp" in preset:
+      assert "'fsdp'" in spec, (path, spec)
+    if "tp" in preset:
+      assert "'tensor'" in spec, (path, spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Totals
+# ---------------------------------------------------------------------------------------------
+
+def test_total_bytes_is_the_sum_of_rows_and_the_model_size():
+  report = regen_golden.report("tiny", "fsdp_tp")
+  assert report.total_bytes == sum(row.total_bytes for row in report.rows)
+  assert report.total_bytes == LlamaConfig.preset("tiny").num_params() * 4  # float32
+  assert report.per_device_bytes == sum(row.per_device_bytes for row in report.rows)
+
+
+def test_bytes_of_hand_made_rows():
+  mesh = make_mesh([("data", 1), ("fsdp", 4), ("tensor", 2)])
+  report = sharding_report([("w", (8, 4), "float32", ("embed", "mlp")),
+                            ("v", (8, 4), "float32", ("embed", None)),
+                            ("b", (4,), "bfloat16", ("norm",))],
+                           Rules.preset("fsdp_tp"), mesh)
+  w, v, b = report.rows
+  assert (w.total_bytes, w.per_device_bytes, w.replicated) == (128, 16, False)  # 8 ways
+  assert (v.total_bytes, v.per_device_bytes, v.replicated) == (128, 32, False)  # 4 ways
+  assert (b.total_bytes, b.per_device_bytes, b.replicated) == (8, 8, True)
+  assert (b.dtype, b.logical_axes, b.shape) == ("bfloat16", ("norm",), (4,))
+  assert (report.total_bytes, report.per_device_bytes, report.replicated_bytes) == (264, 56, 8)
+  assert report.replicated_fraction == pytest.approx(8 / 264)
+
+
+def test_fully_sharded_param_takes_an_eighth_per_device():
+  rows = {row.path: row for row in regen_golden.report("tiny", "fsdp_tp").rows}
+  w_gate = rows["layers/mlp/w_gate"]
+  assert w_gate.per_device_bytes == w_gate.total_bytes // 8
+  assert w_gate.total_bytes == 2 * 32 * 64 * 4
+
+
+def test_replicated_fraction():
+  tiny = LlamaConfig.preset("tiny")
+  assert regen_golden.report("tiny", "dp").replicated_fraction == 1.0
+  # Under fsdp_tp only the norm scales stay whole: final (d) + 2 per layer (layers x d).
+  norm_bytes = (tiny.d_model + 2 * tiny.n_layers * tiny.d_model) * 4
+  report = regen_golden.report("tiny", "fsdp_tp")
+  assert report.replicated_bytes == norm_bytes
+  assert report.replicated_fraction == pytest.approx(norm_bytes / report.total_bytes)
+
+
+def test_axis_of_size_one_counts_as_replicated():
+  # data=1: a spec naming only `data` still leaves a full copy on every device.
+  mesh = make_mesh([("data", 1), ("fsdp", 8)])
+  report = sharding_report([("w", (8, 4), "float32", ("embed", "mlp"))],
+                           Rules.preset("dp", param_overrides="embed=data"), mesh)
+  assert report.rows[0].replicated
+  assert report.replicated_fraction == 1.0
+
+
+def test_resolution_errors_name_the_parameter_path():
+  mesh = make_mesh([("fsdp", 8)])
+  with pytest.raises(ShardingError, match=r"parameter layers/w: dimension 1 \(embed\) has size 12"):
+    sharding_report([("layers/w", (2, 12), "float32", ("layers", "embed"))],
+                    Rules.preset("fsdp"), mesh)
+
+
+# ---------------------------------------------------------------------------------------------
+# format()
+# ---------------------------------------------------------------------------------------------
+
+def test_format_lists_every_parameter_and_the_totals():
+  report = regen_golden.report("tiny", "fsdp_tp")
+  text = report.format()
+  lines = text.splitlines()
+  assert lines[0] == "sharding on mesh data=1 fsdp=4 tensor=2"
+  assert lines[1].split() == ["parameter", "shape", "logical", "axes", "PartitionSpec",
+                              "bytes/device"]
+  body = lines[3:-1]
+  assert [line.split()[0] for line in body] == [row.path for row in report.rows]
+  w_gate = next(line for line in body if line.startswith("layers/mlp/w_gate "))
+  assert w_gate.split() == ["layers/mlp/w_gate", "2x32x64", "layers,embed,mlp",
+                            "P(None,", "fsdp,", "tensor)", "2.0", "KiB"]
+  assert lines[-1] == ("total 136.6 KiB of parameters, 17.6 KiB per device; "
+                       "replicated 640 B (0.5%)")
+
+
+def test_format_of_an_empty_report():
+  report = sharding_report([], Rules.preset("dp"), make_mesh([("fsdp", 8)]))
+  assert report.format().splitlines()[-1] == (
+      "total 0 B of parameters, 0 B per device; replicated 0 B (0.0%)")
+
+
+# ---------------------------------------------------------------------------------------------
+# check_replicated
+# ---------------------------------------------------------------------------------------------
+
+def test_check_replicated_warns_above_the_limit():
+  message = regen_golden.report("tiny", "dp").check_replicated(0.05, "warn")
+  assert message == ("100.0% of parameter bytes are replicated on every device (limit "
+                     "sharding.max_replicated_fraction=0.05); use a preset that shards "
+                     "parameters (fsdp, fsdp_tp) or raise the limit")
+
+
+def test_check_replicated_fails_above_the_limit():
+  with pytest.raises(ShardingError,
+                     match=r"100\.0% of parameter bytes are replicated on every device \(limit "
+                           r"sharding\.max_replicated_fraction=0\.05\)"):
+    regen_golden.report("tiny", "dp").check_replicated(0.05, "fail")
+
+
+@pytest.mark.parametrize("action", ["warn", "fail"])
+def test_check_replicated_passes_at_or_below_the_limit(action):
+  report = regen_golden.report("tiny", "fsdp_tp")
+  assert 0 < report.replicated_fraction < 0.05
+  assert report.check_replicated(0.05, action) is None
+  assert report.check_replicated(report.replicated_fraction, action) is None
+
+
+@pytest.mark.parametrize("action", ["warn", "fail"])
+def test_check_replicated_is_silent_on_one_device(action):
+  mesh = make_mesh([("data", 1), ("fsdp", -1)], devices=jax.devices()[:1])
+  report = sharding_report(regen_golden.entries("tiny"), Rules.preset("dp"), mesh)
+  assert report.replicated_fraction == 1.0
+  assert report.check_replicated(0.0, action) is None

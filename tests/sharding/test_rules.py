@@ -1,0 +1,291 @@
+"""Rules presets, overrides, resolution errors and `constrain` under jit."""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from sharding import (LOGICAL_AXES, PRESETS, Rules, ShardingError, activation_rules, constrain,
+                      make_mesh)
+from sharding.rules import parse_overrides
+
+BATCH = ("data", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  """Every axis the presets use, each of size 2, so no axis is dropped."""
+  return make_mesh([("data", 2), ("fsdp", 2), ("tensor", 2)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_each_preset_has_one_entry_per_logical_axis(preset):
+  for table in PRESETS[preset]:
+    assert set(table) == set(LOGICAL_AXES)
+
+
+# (logical axes of a parameter) -> expected spec per preset.
+PARAM_CASES = [
+    # (logical axes,                         dp,   fsdp,                 tp,                        fsdp_tp)
+    (("vocab", "embed"),                     P(), P(None, "fsdp"),        P("tensor"),               P("tensor", "fsdp")),
+    (("embed", "vocab"),                     P(), P("fsdp"),              P(None, "tensor"),         P("fsdp", "tensor")),
+    (("layers", "embed", "mlp"),             P(), P(None, "fsdp"),        P(None, None, "tensor"),   P(None, "fsdp", "tensor")),
+    (("layers", "mlp", "embed"),             P(), P(None, None, "fsdp"),  P(None, "tensor"),         P(None, "tensor", "fsdp")),
+    (("layers", "embed", "heads", "head_dim"), P(), P(None, "fsdp"),      P(None, None, "tensor"),   P(None, "fsdp", "tensor")),
+    (("layers", "embed", "kv_heads", "head_dim"), P(), P(None, "fsdp"),   P(None, None, "tensor"),   P(None, "fsdp", "tensor")),
+    (("layers", "heads", "head_dim", "embed"), P(), P(None, None, None, "fsdp"), P(None, "tensor"), P(None, "tensor", None, "fsdp")),
+    (("layers", "norm"),                     P(), P(),                    P(),                       P()),
+    (("patch", "classes"),                   P(), P(),                    P(),                       P()),
+]  # yapf: disable
+PRESET_ORDER = ("dp", "fsdp", "tp", "fsdp_tp")
+
+
+@pytest.mark.parametrize("preset", PRESET_ORDER)
+@pytest.mark.parametrize("case", PARAM_CASES, ids=lambda case: ",".join(case[0]))
+def test_preset_param_specs(mesh, preset, case):
+  logical_axes, expected = case[0], case[1 + PRESET_ORDER.index(preset)]
+  assert Rules.preset(preset).param_spec(logical_axes, mesh) == expected
+
+
+ACTIVATION_CASES = [
+    # (logical axes,                        dp,          fsdp,        tp,                              fsdp_tp)
+    (("batch", "length", "embed"),          P(BATCH),    P(BATCH),    P(BATCH),                        P(BATCH)),
+    (("batch", "length", "mlp"),            P(BATCH),    P(BATCH),    P(BATCH, None, "tensor"),        P(BATCH, None, "tensor")),
+    (("batch", "length", "heads", None),    P(BATCH),    P(BATCH),    P(BATCH, None, "tensor"),        P(BATCH, None, "tensor")),
+    (("batch", "length", "kv_heads", None), P(BATCH),    P(BATCH),    P(BATCH, None, "tensor"),        P(BATCH, None, "tensor")),
+    (("batch", "length", "vocab"),          P(BATCH),    P(BATCH),    P(BATCH, None, "tensor"),        P(BATCH, None, "tensor")),
+]  # yapf: disable
+
+
+@pytest.mark.parametrize("preset", PRESET_ORDER)
+@pytest.mark.parametrize("case", ACTIVATION_CASES, ids=lambda case: ",".join(map(str, case[0])))
+def test_preset_activation_specs(mesh, preset, case):
+  logical_axes, expected = case[0], case[1 + PRESET_ORDER.index(preset)]
+  assert Rules.preset(preset).activation_spec(logical_axes, mesh) == expected
+
+
+def test_presets_are_exactly_the_documented_ones():
+  assert set(PRESETS) == set(PRESET_ORDER)
+
+
+def test_mesh_axes_absent_from_the_mesh_are_dropped():
+  fsdp_only = make_mesh([("fsdp", 8)])
+  rules = Rules.preset("fsdp_tp")
+  assert rules.activation_spec(("batch", "length", "mlp"), fsdp_only) == P("fsdp")
+  assert rules.param_spec(("layers", "embed", "mlp"), fsdp_only) == P(None, "fsdp")
+  data_only = make_mesh([("data", 8)])
+  assert rules.activation_spec(("batch", "length"), data_only) == P("data")
+  assert rules.param_spec(("layers", "embed", "mlp"), data_only) == P()
+
+
+def test_none_logical_axis_stays_unsharded(mesh):
+  assert Rules.preset("fsdp_tp").param_spec((None, "embed", None, "mlp"), mesh) == P(
+      None, "fsdp", None, "tensor")
+
+
+# ---------------------------------------------------------------------------------------------
+# Overrides
+# ---------------------------------------------------------------------------------------------
+
+def test_parse_overrides():
+  assert parse_overrides("kv_heads=none,batch=data+fsdp", "f") == {
+      "kv_heads": (), "batch": ("data", "fsdp")}
+  assert parse_overrides(" mlp = tensor , vocab= , ,embed=NONE", "f") == {
+      "mlp": ("tensor",), "vocab": (), "embed": ()}
+  assert parse_overrides("", "f") == {}
+
+
+def test_overrides_apply_to_their_role_only(mesh):
+  rules = Rules.preset("fsdp_tp", param_overrides="kv_heads=none,embed=data+fsdp",
+                       activation_overrides="batch=data,mlp=none")
+  assert rules.param_spec(("embed", "kv_heads", "head_dim"), mesh) == P(("data", "fsdp"))
+  assert rules.param_spec(("embed", "heads", "head_dim"), mesh) == P(("data", "fsdp"), "tensor")
+  assert rules.activation_spec(("batch", "length", "mlp"), mesh) == P("data")
+  # The activation overrides left the parameter table alone and vice versa.
+  assert rules.param_spec(("embed", "mlp"), mesh) == P(("data", "fsdp"), "tensor")
+  assert rules.activation_spec(("batch", "length", "kv_heads"), mesh) == P("data", None,
+                                                                           "tensor")
+
+
+def test_overrides_do_not_change_the_preset_tables():
+  Rules.preset("tp", param_overrides="mlp=none", activation_overrides="batch=data")
+  assert PRESETS["tp"][0]["mlp"] == ("tensor",)
+  assert PRESETS["tp"][1]["batch"] == BATCH
+  assert Rules.preset("tp").params["mlp"] == ("tensor",)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+def test_unknown_preset():
+  with pytest.raises(ShardingError,
+                     match=r"sharding\.preset='zero3' is unknown; choose one of dp, fsdp, tp, "
+                           r"fsdp_tp"):
+    Rules.preset("zero3")
+
+
+def test_unknown_logical_axis_in_override():
+  with pytest.raises(ShardingError,
+                     match=r"sharding\.param_overrides: unknown logical axis 'hidden'; known: "
+                           r"batch, length, embed"):
+    Rules.preset("tp", param_overrides="hidden=tensor")
+
+
+def test_unknown_logical_axis_in_activation_override_names_its_knob():
+  with pytest.raises(ShardingError,
+                     match=r"sharding\.activation_overrides: unknown logical axis 'seq'"):
+    Rules.preset("tp", activation_overrides="seq=sequence")
+
+
+def test_unknown_logical_axis_in_resolution(mesh):
+  with pytest.raises(ShardingError,
+                     match=r"parameter layers/mlp/w_gate: unknown logical axis 'hidden'; known: "
+                           r"batch, classes, embed"):
+    Rules.preset("tp").param_spec(("embed", "hidden"), mesh, what="parameter layers/mlp/w_gate")
+
+
+def test_unknown_mesh_axis_in_override():
+  with pytest.raises(ShardingError,
+                     match=r"sharding\.param_overrides: mlp='model' names unknown mesh axis "
+                           r"'model'; use one of data, stage, fsdp, sequence, expert, tensor or "
+                           r"'none'"):
+    Rules.preset("tp", param_overrides="mlp=model")
+
+
+@pytest.mark.parametrize("entry", ["mlp", "=tensor", "mlp:tensor"])
+def test_malformed_override_entry(entry):
+  with pytest.raises(ShardingError,
+                     match=rf"sharding\.param_overrides: entry '{entry}' is not "
+                           r"'logical=mesh_axis'; write e\.g\. 'mlp=tensor,vocab=none'"):
+    Rules.preset("tp", param_overrides=f"vocab=none,{entry}")
+
+
+def test_override_listing_a_logical_axis_twice():
+  with pytest.raises(ShardingError,
+                     match=r"sharding\.param_overrides: logical axis 'mlp' is listed twice; "
+                           r"list each once"):
+    Rules.preset("tp", param_overrides="mlp=tensor,mlp=none")
+
+
+def test_override_repeating_a_mesh_axis():
+  with pytest.raises(ShardingError,
+                     match=r"sharding\.activation_overrides: batch='data\+data' repeats a mesh "
+                           r"axis; name each mesh axis once"):
+    Rules.preset("dp", activation_overrides="batch=data+data")
+
+
+def test_two_dimensions_on_one_mesh_axis(mesh):
+  rules = Rules.preset("fsdp_tp", param_overrides="mlp=fsdp")
+  with pytest.raises(ShardingError,
+                     match=r"parameter: logical axes 'embed' and 'mlp' both map to mesh axis "
+                           r"'fsdp'; one array cannot use a mesh axis twice; change one of them "
+                           r"with sharding\.param_overrides"):
+    rules.param_spec(("embed", "mlp"), mesh)
+
+
+def test_two_dimensions_on_one_mesh_axis_in_activations(mesh):
+  rules = Rules.preset("tp", activation_overrides="length=tensor")
+  with pytest.raises(ShardingError,
+                     match=r"activation: logical axes 'length' and 'mlp' both map to mesh axis "
+                           r"'tensor'.*sharding\.activation_overrides"):
+    rules.activation_spec(("batch", "length", "mlp"), mesh)
+
+
+def test_dimension_not_divisible(mesh):
+  with pytest.raises(ShardingError,
+                     match=r"parameter w: dimension 1 \(mlp\) has size 3, not divisible by "
+                           r"tensor=2 \(2 ways\); set sharding\.param_overrides='mlp=none' or "
+                           r"change the mesh or model size"):
+    Rules.preset("tp").param_spec(("embed", "mlp"), mesh, shape=(4, 3), what="parameter w")
+
+
+def test_dimension_not_divisible_by_several_axes(mesh):
+  with pytest.raises(ShardingError,
+                     match=r"activation: dimension 0 \(batch\) has size 6, not divisible by "
+                           r"data=2xfsdp=2 \(4 ways\); set sharding\.activation_overrides="
+                           r"'batch=none'"):
+    Rules.preset("dp").activation_spec(("batch", "length"), mesh, shape=(6, 16))
+
+
+def test_divisible_shape_resolves(mesh):
+  assert Rules.preset("dp").activation_spec(("batch", "length"), mesh, shape=(8, 3)) == P(BATCH)
+
+
+def test_rank_mismatch(mesh):
+  with pytest.raises(ShardingError,
+                     match=r"parameter w: 2 logical axes \('embed', 'mlp'\) for a 3-d array of "
+                           r"shape \(2, 4, 8\); give one logical name \(or None\) per dimension"):
+    Rules.preset("tp").param_spec(("embed", "mlp"), mesh, shape=(2, 4, 8), what="parameter w")
+
+
+# ---------------------------------------------------------------------------------------------
+# constrain
+# ---------------------------------------------------------------------------------------------
+
+AXES = ("batch", "length", "mlp")
+
+
+def _double_and_constrain(x):
+  return constrain(x * 2, AXES)
+
+
+def test_constrain_is_identity_outside_activation_rules():
+  x = jnp.ones((8, 4, 6))
+  assert constrain(x, AXES) is x
+
+
+def test_constrain_under_jit_outside_activation_rules_adds_no_sharding():
+  y = jax.jit(lambda x: constrain(x * 2, AXES))(jnp.ones((8, 4, 6)))
+  assert len(y.sharding.device_set) == 1
+
+
+def test_constrain_under_jit_inside_activation_rules(mesh):
+  rules = Rules.preset("fsdp_tp")
+  with activation_rules(rules, mesh):
+    y = jax.jit(lambda x: constrain(x * 2, AXES))(jnp.ones((8, 4, 6)))
+  expected = NamedSharding(mesh, P(BATCH, None, "tensor"))
+  assert y.sharding.is_equivalent_to(expected, y.ndim)
+  assert {shard.data.shape for shard in y.addressable_shards} == {(2, 4, 3)}
+  assert len(y.sharding.device_set) == 8
+
+
+def test_activation_rules_entered_while_tracing(mesh):
+  # How the train step uses it: the block is entered inside the jitted function.
+  def step(x):
+    with activation_rules(Rules.preset("tp"), mesh):
+      return constrain(x + 1, AXES)
+
+  y = jax.jit(step)(jnp.ones((8, 4, 6)))
+  assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(BATCH, None, "tensor")), y.ndim)
+
+
+def test_jitted_function_is_retraced_when_rules_change(mesh):
+  # The jit cache must not hand back a trace made under other (or no) rules.
+  step = jax.jit(_double_and_constrain)
+  x = jnp.ones((8, 4, 6))
+  assert len(step(x).sharding.device_set) == 1
+  with activation_rules(Rules.preset("fsdp_tp"), mesh):
+    y = step(x)
+  assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(BATCH, None, "tensor")), y.ndim)
+  with activation_rules(Rules.preset("dp"), mesh):
+    y = step(x)
+  assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(BATCH)), y.ndim)
+  assert len(step(x).sharding.device_set) == 1
+
+
+def test_activation_rules_reset_after_an_exception(mesh):
+  x = jnp.ones((8, 4, 6))
+  with pytest.raises(RuntimeError):
+    with activation_rules(Rules.preset("tp"), mesh):
+      raise RuntimeError("boom")
+  assert constrain(x, AXES) is x
+
+
+def test_constrain_checks_the_shape_inside_activation_rules(mesh):
+  with activation_rules(Rules.preset("tp"), mesh):
+    with pytest.raises(ShardingError, match=r"activation: dimension 2 \(mlp\) has size 5"):
+      jax.jit(lambda x: constrain(x, AXES))(jnp.ones((8, 4, 5)))
