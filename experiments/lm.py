@@ -31,6 +31,7 @@ def get_config(arg: str | None = None):
   config.sharding.preset = "fsdp_tp"
   # 2 cores shared by 8 simulated devices: ~270 GFLOP/s f32 matmul peak measured / 8.
   config.train.peak_flops_per_device = 34e9
+  config.train.eval_every = 50
   for item in filter(None, (arg or "cpu").split(",")):
     key, sep, value = item.partition("=")
     if not sep:

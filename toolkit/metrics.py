@@ -73,6 +73,7 @@ def plot_loss_curve(metrics_path: str, png_path: str) -> str | None:
     points = sorted({r["step"]: r["loss"] for r in records if r["kind"] == kind}.items())
     if points:
       ax.plot([s for s, _ in points], [l / math.log(2) for _, l in points], style, label=kind)
+  ax.set_title(os.path.basename(os.path.dirname(os.path.abspath(metrics_path))))
   ax.set_xlabel("step")
   ax.set_ylabel("loss (bits per token)")
   ax.grid(alpha=0.3)

@@ -34,3 +34,59 @@ def sample_text(graphdef: nnx.GraphDef, params, prompt: str, num_tokens: int, wi
     token = next_token(params, buffer, len(context) - 1, jax.random.fold_in(key, i))
     tokens.append(int(token))
   return data.decode(tokens)
+
+
+def sample_from_checkpoint(workdir: str, prompt: str, num_tokens: int, temperature: float,
+                           seed: int) -> str:
+  """Restores the latest checkpoint of a training workdir (on one device) and samples."""
+  import os  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from toolkit import checkpoint, train  # pylint: disable=g-import-not-at-top
+  from toolkit.config import ConfigError  # pylint: disable=g-import-not-at-top
+
+  directory = checkpoint.checkpoints_dir(workdir)
+  if not os.path.isdir(directory):
+    raise ConfigError(f"--workdir={workdir!r} does not exist; give the workdir of a training run")
+  manager = checkpoint.Checkpoints(directory, read_only=True)
+  step = manager.latest_step()
+  if step is None:
+    raise ConfigError(f"--workdir={workdir!r} holds no checkpoint; train first "
+                      f"(python -m toolkit.train ... --workdir={workdir})")
+  config = ml_collections.ConfigDict(manager.saved_config(step))
+  # Sampling needs no model parallelism here: one device, parameters replicated.
+  config.mesh.update(ici="data:1", dcn="")
+  config.sharding.update(preset="dp", param_overrides="", activation_overrides="")
+  config.data.global_batch_size = config.train.microbatches
+  setup = train.build(config, jax.devices()[:1])
+  state, _ = manager.restore(step, setup.layout.abstract)
+  manager.close()
+  return sample_text(setup.layout.graphdef, state["params"], prompt, num_tokens,
+                     config.data.seq_len, temperature=temperature, seed=seed)
+
+
+def cli() -> None:
+  """`python -m toolkit.sample --workdir=DIR --prompt="The "`: flags live here only."""
+  import sys  # pylint: disable=g-import-not-at-top
+  from absl import app, flags  # pylint: disable=g-import-not-at-top
+  from toolkit.config import ConfigError  # pylint: disable=g-import-not-at-top
+  workdir = flags.DEFINE_string("workdir", None, "Workdir of a training run.", required=True)
+  prompt = flags.DEFINE_string("prompt", "The ", "Text to continue.")
+  tokens = flags.DEFINE_integer("tokens", 200, "Byte tokens to generate.", lower_bound=1)
+  temperature = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.",
+                                   lower_bound=0.0)
+  seed = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+
+  def main(argv):
+    del argv
+    try:
+      print(sample_from_checkpoint(workdir.value, prompt.value, tokens.value, temperature.value,
+                                   seed.value))
+    except ConfigError as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(1)
+
+  app.run(main)
+
+
+if __name__ == "__main__":
+  cli()
