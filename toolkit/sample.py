@@ -66,10 +66,10 @@ def sample_from_checkpoint(workdir: str, prompt: str, num_tokens: int, temperatu
 
 def cli() -> None:
   """`python -m toolkit.sample --workdir=DIR --prompt="The "`: flags live here only."""
-  import sys  # pylint: disable=g-import-not-at-top
   from absl import app, flags  # pylint: disable=g-import-not-at-top
+  from toolkit import command_line  # pylint: disable=g-import-not-at-top
   from toolkit.config import ConfigError  # pylint: disable=g-import-not-at-top
-  workdir = flags.DEFINE_string("workdir", None, "Workdir of a training run.", required=True)
+  workdir = flags.DEFINE_string("workdir", None, "Required. Workdir of a training run.")
   prompt = flags.DEFINE_string("prompt", "The ", "Text to continue.")
   tokens = flags.DEFINE_integer("tokens", 200, "Byte tokens to generate.", lower_bound=1)
   temperature = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.",
@@ -78,14 +78,15 @@ def cli() -> None:
 
   def main(argv):
     del argv
+    command_line.quiet_logging()
     try:
       print(sample_from_checkpoint(workdir.value, prompt.value, tokens.value, temperature.value,
                                    seed.value))
     except ConfigError as e:
-      print(f"error: {e}", file=sys.stderr)
-      sys.exit(1)
+      command_line.fail(e)
 
-  app.run(main)
+  app.run(main, flags_parser=lambda argv: command_line.parse_flags(
+      argv, required={"workdir": "the workdir of a training run"}))
 
 
 if __name__ == "__main__":

@@ -8,15 +8,11 @@ restore-or-init -> compile -> loop, with periodic work (log, eval, checkpoint) e
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import importlib.util
 import math
 import os
-import re
 import signal
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +22,7 @@ import optax
 
 import sharding
 from toolkit import checkpoint, config as config_lib, data, metrics as metrics_lib, state as state_lib
+from toolkit import command_line
 from toolkit import step as step_lib
 from toolkit.config import ConfigError
 from toolkit.sample import sample_text
@@ -213,13 +210,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
   try:
     with _StopSignal() as stop, jax.transfer_guard(guard):
       for current in range(start_step, total_steps):
-        with jax.transfer_guard("allow"):  # placing the batch is the one intended transfer
-          batch = batches.batch(current)
-        state, step_metrics = train_step(state, batch)
+        # The guard turns an implicit host->device copy (say a NumPy array reaching the step)
+        # into an error; placing the batch is an explicit transfer and passes.
+        state, step_metrics = train_step(state, batches.batch(current))
         done = current + 1
         pending.append((done, step_metrics))
         at_end = done == total_steps
-        save_now = done % config.train.checkpoint_every == 0 or at_end or stop.requested
+        # Read the stop flag once per step: a signal that lands during this step's flush, eval
+        # or save is acted on next step, so "stopped" always means "flushed and saved".
+        stopping = stop.requested
+        save_now = done % config.train.checkpoint_every == 0 or at_end or stopping
         if done % config.train.log_every == 0 or save_now:
           flush(pending, time.perf_counter() - interval_start)
           interval_start = time.perf_counter()
@@ -230,7 +230,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
         if done % config.train.eval_every == 0 or save_now:
           interval_start = time.perf_counter()  # step time excludes eval and checkpoint work
         result.final_step = done
-        if stop.requested:
+        if stopping:
           result.stopped_early = True
           log(f"stopped at step {done} on request; checkpoint saved")
           break
@@ -249,169 +249,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
   return result
 
 
-# --- command line ------------------------------------------------------------------------------
-# absl and ml_collections report flag mistakes as tracebacks or multi-line "FATAL" blocks. The
-# helpers below turn each into one `error:` line naming the flag and the fix.
-
-_USAGE_EXIT = 2  # a mistake on the command line, found before anything ran
-
-
-def _fail(message: str, exit_code: int = 1) -> None:
-  print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-  sys.exit(exit_code)
-
-
-def _config_argument(argv: list[str]) -> str | None:
-  """The text given to --config (the last one wins, as in absl), or None."""
-  value = None
-  for i, arg in enumerate(argv):
-    if arg == "--":
-      break
-    match = re.fullmatch(r"--?config(?:=(.*))?", arg, re.S)
-    if match:
-      value = match.group(1) if match.group(1) is not None else (
-          argv[i + 1] if i + 1 < len(argv) else "")
-  return value
-
-
-def _override_paths(argv: list[str]) -> list[tuple[str, str]]:
-  """(flag as typed, dotted field path) for each --config.FIELD override, in order."""
-  found = []
-  for arg in argv:
-    if arg == "--":
-      break
-    match = re.match(r"(--?(?:no)?config\.([^=]*))", arg)
-    if match:
-      found.append((match.group(1), match.group(2)))
-  return found
-
-
-def _unknown_field(config: ml_collections.ConfigDict, flag: str, path: str) -> str | None:
-  """Why `path` names no field of `config` (with the fields it could be), or None."""
-  node, parents = config, ["config"]
-  for key in path.split("."):
-    if not isinstance(node, ml_collections.ConfigDict):
-      return (f"{flag}: config.{'.'.join(parents[1:])} is a value, not a section; override it "
-              f"as --{'.'.join(parents)}=VALUE")
-    if key not in node:
-      known = sorted(node.keys())
-      close = difflib.get_close_matches(key, known, n=1)
-      hint = f"did you mean --{'.'.join(parents)}.{close[0]}? " if close else ""
-      return (f"{flag}: {'.'.join(parents)} has no field {key!r}; {hint}known: "
-              f"{', '.join(known)}")
-    node, parents = node[key], parents + [key]
-  return None
-
-
-def _field_value(config, path: str):
-  for key in path.split("."):
-    config = config[key]
-  return config
-
-
-def _load_experiment(config_arg: str):
-  """get_config() of `path[:arg]`, as config_flags calls it; only used to explain an error."""
-  path, *arg = config_arg.split(":", 1)
-  spec = importlib.util.spec_from_file_location("_experiment_for_error", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(*arg)
-
-
-def _explain_flag_error(error: Exception, argv: list[str]) -> str:
-  """One line for an exception raised while absl parsed the command line."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  config_arg = _config_argument(argv)
-  overrides = _override_paths(argv)
-  if config_arg is None:
-    if overrides:
-      return (f"{overrides[0][0]} needs --config before it; give e.g. "
-              f"--config=experiments/lm.py:tiny {overrides[0][0]}=...")
-  else:
-    config_index = max(i for i, arg in enumerate(argv) if re.match(r"--?config(=|$)", arg))
-    early = [arg for arg in argv[:config_index] if re.match(r"--?(no)?config\.", arg)]
-    if early:
-      return (f"{early[0]} comes before --config; give --config={config_arg} first, then the "
-              f"--config.FIELD overrides")
-    config_path = config_arg.split(":", 1)[0]
-    if not os.path.isfile(config_path):
-      return _missing_config_file(config_arg)
-    # get_config raised: config_flags re-raises its TypeError/ValueError with the traceback in
-    # the text; the exception the experiment raised is further down the chain.
-    chain, cause = [], error
-    while cause is not None and len(chain) < 16:
-      chain.append(cause)
-      cause = cause.__cause__ or cause.__context__
-    for outer, inner in zip(chain, chain[1:]):
-      if str(outer).startswith("Error whilst parsing config file"):
-        return _experiment_error(config_arg, config_path, inner)
-    if any(os.path.samefile(frame.filename, config_path)
-           for frame in traceback.extract_tb(chain[-1].__traceback__)
-           if os.path.exists(frame.filename)):
-      return _experiment_error(config_arg, config_path, chain[-1])
-    try:
-      config = _load_experiment(config_arg)
-    except Exception:  # pylint: disable=broad-except
-      config = None
-    if isinstance(config, ml_collections.ConfigDict):
-      for flag, path in overrides:
-        reason = _unknown_field(config, flag, path)
-        if reason:
-          return reason
-  if isinstance(error, flags.UnrecognizedFlagError):
-    close = difflib.get_close_matches(error.flagname, list(flags.FLAGS), n=1)
-    hint = f"; did you mean --{close[0]}?" if close else ""
-    return f"unknown flag --{error.flagname}{hint} (see --help for the flags)"
-  match = re.match(r"flag --([^=]+)=(.*?): (.*)", str(error), re.S)
-  if isinstance(error, flags.IllegalFlagValueError) and match:
-    name, value, reason = match.groups()
-    reason = reason.strip().splitlines()[0] if reason.strip() else "invalid value"
-    if name.startswith("config.") and config_arg is not None:
-      field = name[len("config."):]
-      try:
-        current = _field_value(_load_experiment(config_arg), field)
-      except Exception:  # pylint: disable=broad-except
-        return f"--{name}={value}: {reason}"
-      if isinstance(current, ml_collections.ConfigDict):
-        return (f"--{name}={value}: config.{field} is a section; override one of its fields, "
-                f"e.g. --{name}.{sorted(current.keys())[0]}=...")
-      if isinstance(current, bool):
-        return (f"--{name}={value}: config.{field} is a bool; give true or false, e.g. "
-                f"--{name}={str(not current).lower()}")
-      return (f"--{name}={value}: {reason}; config.{field} is of type "
-              f"{type(current).__name__} ({current!r} in {config_arg}), give e.g. "
-              f"--{name}={current}")
-    return f"--{name}={value}: {reason}"
-  first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-  missing = re.fullmatch(r"Missing value for flag (-\S+)", first)
-  if missing:
-    return f"{missing.group(1)} needs a value; write {missing.group(1)}=VALUE"
-  return f"{first} (see --help for the flags)"
-
-
-def _missing_config_file(config_arg: str) -> str:
-  path = config_arg.split(":", 1)[0]
-  if not path:
-    return "--config is empty; give an experiment file, e.g. --config=experiments/lm.py:tiny"
-  where = "is a directory" if os.path.isdir(path) else "does not exist"
-  return (f"--config={config_arg}: the experiment file {path} {where} (relative to "
-          f"{os.getcwd()}); give e.g. --config=experiments/lm.py:tiny")
-
-
-def _experiment_error(config_arg: str, config_path: str, error: BaseException) -> str:
-  """The experiment's own message for get_config failing; its location if it is not a
-  ValueError (then it is more likely a bug in the file than a bad variant)."""
-  message = str(error).strip() or type(error).__name__
-  for prefix in (f"{config_path}: ", f"{os.path.basename(config_path)}: "):
-    message = message.removeprefix(prefix)
-  if not isinstance(error, ValueError):
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if os.path.exists(f.filename) and os.path.samefile(f.filename, config_path)]
-    where = f" at {config_path}:{frames[-1].lineno}" if frames else ""
-    message = f"{type(error).__name__}{where}: {message}; fix the experiment file"
-  return f"--config={config_arg}: {message}"
-
-
 def cli() -> None:
   """`python -m toolkit.train` / `meshkit-train`: flags are defined here and nowhere else.
 
@@ -419,7 +256,7 @@ def cli() -> None:
   2 for a command-line mistake; 1 for a config, workdir or checkpoint mistake or a non-finite
   loss. Every mistake prints one `error:` line on stderr, and nothing in the workdir changes.
   """
-  from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
+  from absl import app, flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   config_flag = config_flags.DEFINE_config_file(
       "config", None, "Required. Experiment file and variant, e.g. experiments/lm.py:tiny. "
@@ -428,39 +265,17 @@ def cli() -> None:
       "workdir", None, "Required. Directory for checkpoints, metrics and plots; a run resumes "
       "from its latest checkpoint.")
 
-  def parse(argv: list[str]) -> list[str]:
-    # absl's own parser prints "FATAL Flags parsing error" blocks and lets some config_flags
-    # exceptions escape as tracebacks; every one of them becomes one line here.
-    try:
-      rest = flags.FLAGS(argv)
-    except (flags.Error, OSError, AttributeError, KeyError, TypeError, ValueError) as e:
-      _fail(_explain_flag_error(e, argv), _USAGE_EXIT)
-    if len(rest) > 1:
-      _fail(f"unexpected arguments {' '.join(rest[1:])!r}; flags take the form --name=value "
-            f"(see --help)", _USAGE_EXIT)
-    config_arg = _config_argument(argv)
-    if config_arg is None:
-      _fail("--config is required; give an experiment file and variant, e.g. "
-            "--config=experiments/lm.py:tiny", _USAGE_EXIT)
-    if not isinstance(config_flag.value, ml_collections.ConfigDict):  # the file did not load
-      _fail(_missing_config_file(config_arg) if not os.path.isfile(config_arg.split(":", 1)[0])
-            else f"--config={config_arg}: get_config() did not return a ConfigDict; fix the "
-                 f"experiment file", _USAGE_EXIT)
-    if workdir_flag.value is None:
-      _fail("--workdir is required; give a directory for checkpoints and metrics, e.g. "
-            "--workdir=runs/lm", _USAGE_EXIT)
-    return rest
-
   def main(argv) -> None:
-    del argv  # checked in parse
-    if not flags.FLAGS["verbosity"].present:
-      logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO; -v 0 shows it
+    del argv  # checked in parse_flags
+    command_line.quiet_logging()
     try:
       run(config_flag.value, workdir_flag.value)
     except (ConfigError, sharding.ShardingError, NonFiniteLoss) as e:
-      _fail(e)
+      command_line.fail(e)
 
-  app.run(main, flags_parser=parse)
+  app.run(main, flags_parser=lambda argv: command_line.parse_flags(
+      argv, config_flag, required={"workdir": "a directory for checkpoints and metrics, e.g. "
+                                               "--workdir=runs/lm"}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,290 @@
+"""`python -m toolkit.train` end to end, as a user runs it: a normal run, a --config override,
+SIGTERM then resume, and the user mistakes that must each end in one `error:` line.
+
+Every run is a subprocess on 8 simulated CPU devices, bounded by a timeout. A mistake must
+exit non-zero, print no traceback, print exactly one `error:` line that names the field or
+flag and the fix, and leave a workdir that already holds checkpoints exactly as it was.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+TINY = "--config=experiments/lm.py:tiny"
+RUN_TIMEOUT_S = 300  # a tiny run takes ~15 s on 2 shared cores; generous for loaded machines
+MISTAKE_TIMEOUT_S = 120  # mistakes are caught before compiling: ~2-4 s each
+PROGRESS = re.compile(r"^step (\d+)/(\d+) \| loss [\d.]+ \| lr [\d.e+-]+ \| .*\| [\d,]+ tok/s "
+                      r"\|.* ETA \d+(h\d\d)?m\d\ds$", re.M)
+
+
+def _env() -> dict[str, str]:
+  env = dict(os.environ)
+  other = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  env["XLA_FLAGS"] = " ".join(other + ["--xla_force_host_platform_device_count=8"])
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def _command(*args: str) -> list[str]:
+  return [sys.executable, "-m", "toolkit.train", *args]
+
+
+def train(*args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+  return subprocess.run(_command(*args), cwd=REPO, env=_env(), capture_output=True, text=True,
+                        timeout=timeout, check=False)
+
+
+def checkpoint_steps(workdir: pathlib.Path) -> set[int]:
+  directory = workdir / "checkpoints"
+  if not directory.is_dir():
+    return set()
+  return {int(p.name) for p in directory.iterdir() if p.name.isdigit()}
+
+
+def snapshot(root: pathlib.Path) -> dict[str, tuple]:
+  """Every path under `root`: (size, mtime_ns, sha256) for files, mtime_ns for folders."""
+  tree = {".": ("dir", root.stat().st_mtime_ns)}
+  for path in sorted(root.rglob("*")):
+    stat = path.stat()
+    if path.is_file():
+      tree[str(path.relative_to(root))] = (stat.st_size, stat.st_mtime_ns,
+                                           hashlib.sha256(path.read_bytes()).hexdigest())
+    else:
+      tree[str(path.relative_to(root))] = ("dir", stat.st_mtime_ns)
+  return tree
+
+
+def the_error_line(result: subprocess.CompletedProcess) -> str:
+  """Asserts the shape of a refused run and returns its one error line."""
+  output = result.stdout + result.stderr
+  assert result.returncode != 0, output
+  assert "Traceback" not in output, output
+  assert "FATAL" not in output, output
+  errors = [line for line in output.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1, output
+  # Nothing else on stderr: no absl/Orbax log flood, no usage dump.
+  assert result.stderr.strip() == errors[0], result.stderr
+  return errors[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[pathlib.Path, subprocess.CompletedProcess]:
+  """One plain tiny run (10 steps, checkpoints at 5 and 10), shared by the tests below."""
+  workdir = tmp_path_factory.mktemp("trained") / "w"
+  result = train(TINY, f"--workdir={workdir}")
+  assert result.returncode == 0, result.stdout + result.stderr
+  return workdir, result
+
+
+@pytest.fixture
+def workdir_copy(trained, tmp_path) -> pathlib.Path:
+  """A private copy of the trained workdir, so a test that breaks it breaks only itself."""
+  copy = tmp_path / "w"
+  shutil.copytree(trained[0], copy, copy_function=shutil.copy2)
+  return copy
+
+
+# --- a run that works ----------------------------------------------------------------------------
+
+def test_tiny_run_writes_progress_eval_checkpoints_metrics_tensorboard_and_plot(trained):
+  workdir, result = trained
+  assert "Traceback" not in result.stdout + result.stderr
+  assert not re.search(r"^[IW]\d{4} ", result.stderr, re.M), "absl INFO/WARNING log flood"
+  progress = PROGRESS.findall(result.stdout)
+  assert [int(step) for step, total, _ in progress] == [5, 10], result.stdout
+  assert "eval at step 0: loss" in result.stdout
+  assert "eval at step 10: loss" in result.stdout
+  assert checkpoint_steps(workdir) == {5, 10}
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert sorted(r["step"] for r in records if r["kind"] == "train") == list(range(1, 11))
+  assert sorted(r["step"] for r in records if r["kind"] == "eval") == [0, 10]
+  assert all(r["loss"] > 0 for r in records)
+  assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
+  assert (workdir / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_config_override_takes_effect(tmp_path):
+  workdir = tmp_path / "w"
+  result = train(TINY, f"--workdir={workdir}", "--config.train.steps=4")
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert [int(step) for step, _, _ in PROGRESS.findall(result.stdout)][-1:] == [4]
+  assert "step 4/4 |" in result.stdout
+  assert checkpoint_steps(workdir) == {4}
+  assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 4
+
+
+def test_sigterm_saves_and_exits_zero_then_the_same_command_resumes(tmp_path):
+  workdir = tmp_path / "w"
+  args = [TINY, f"--workdir={workdir}", "--config.train.checkpoint_every=1000"]
+  stdout_path, stderr_path = tmp_path / "stdout", tmp_path / "stderr"
+  with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
+    process = subprocess.Popen(_command(*args, "--config.train.steps=2000"), cwd=REPO,
+                               env=_env(), stdout=stdout, stderr=stderr, text=True)
+    try:
+      # Wait until it trains: the first progress line (step 5) is printed inside the loop.
+      deadline = time.monotonic() + RUN_TIMEOUT_S
+      while not PROGRESS.search(stdout_path.read_text()):
+        assert process.poll() is None, stdout_path.read_text() + stderr_path.read_text()
+        assert time.monotonic() < deadline, "no progress line before the deadline"
+        time.sleep(0.1)  # polling interval, not a wait for readiness
+      process.send_signal(signal.SIGTERM)
+      returncode = process.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+      if process.poll() is None:
+        process.kill()
+        process.wait()
+  output = stdout_path.read_text()
+  assert returncode == 0, output + stderr_path.read_text()
+  assert "Traceback" not in output + stderr_path.read_text()
+  assert "received SIGTERM" in output
+  stopped = re.search(r"^stopped at step (\d+) on request; checkpoint saved$", output, re.M)
+  assert stopped, output
+  stop_step = int(stopped.group(1))
+  assert 5 <= stop_step < 2000
+  assert checkpoint_steps(workdir) == {stop_step}
+
+  final = stop_step + 5
+  resumed = train(*args, f"--config.train.steps={final}")
+  assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+  assert f"restored step {stop_step} from" in resumed.stdout
+  assert f"step {final}/{final} |" in resumed.stdout
+  assert max(checkpoint_steps(workdir)) == final
+
+
+def test_help_describes_the_flags():
+  result = train("--help", timeout=MISTAKE_TIMEOUT_S)
+  assert "Traceback" not in result.stdout + result.stderr
+  assert "--config: Required. Experiment file and variant" in result.stdout
+  assert "--workdir: Required. Directory for checkpoints" in result.stdout
+
+
+# --- mistakes: one line, non-zero exit, nothing touched ------------------------------------------
+
+# (id, arguments with {W} for the workdir, fragments the error line must contain: the field or
+# flag, what is wrong, and the fix)
+MISTAKES = [
+    ("experiment_file_missing", ["--config=experiments/nosuch.py", "--workdir={W}"],
+     ["--config=experiments/nosuch.py", "does not exist", "give e.g. --config=experiments/lm.py"]),
+    ("variant_unknown", ["--config=experiments/lm.py:nosuch", "--workdir={W}"],
+     ["--config=experiments/lm.py:nosuch", "unknown variant 'nosuch'", "choose from cpu, tiny"]),
+    ("size_preset_unknown", ["--config=experiments/lm.py:size=huge", "--workdir={W}"],
+     ["--config=experiments/lm.py:size=huge", "size='huge' is unknown", "choose from tiny"]),
+    ("override_wrong_type", [TINY, "--workdir={W}", "--config.train.steps=abc"],
+     ["--config.train.steps=abc", "of type int", "give e.g. --config.train.steps=10"]),
+    ("override_wrong_bool", [TINY, "--workdir={W}", "--config.train.transfer_guard=maybe"],
+     ["--config.train.transfer_guard=maybe", "is a bool", "give true or false"]),
+    ("override_unknown_field", [TINY, "--workdir={W}", "--config.train.nosuch=1"],
+     ["--config.train.nosuch", "config.train has no field 'nosuch'", "known: checkpoint_every"]),
+    ("override_misspelled_field", [TINY, "--workdir={W}", "--config.train.step=4"],
+     ["--config.train.step", "no field 'step'", "did you mean --config.train.steps?"]),
+    ("override_before_config", ["--config.train.steps=4", TINY, "--workdir={W}"],
+     ["--config.train.steps=4 comes before --config",
+      "give --config=experiments/lm.py:tiny first"]),
+    ("flag_unknown", [TINY, "--workdr={W}"],
+     ["unknown flag --workdr", "did you mean --workdir?"]),
+    ("argument_unexpected", [TINY, "--workdir={W}", "extra"],
+     ["unexpected arguments 'extra'", "--name=value"]),
+    ("workdir_missing", [TINY],
+     ["--workdir is required", "e.g. --workdir="]),
+    ("workdir_under_a_file", [TINY, "--workdir={W}/metrics.jsonl/sub"],
+     ["--workdir=", "metrics.jsonl/sub", "cannot be created", "choose a writable directory"]),
+    ("mesh_does_not_divide_devices", [TINY, "--workdir={W}", "--config.mesh.ici=fsdp:3"],
+     ["mesh.ici", "fsdp:3", "sizes must multiply to 8"]),
+    ("mesh_two_wildcards", [TINY, "--workdir={W}", "--config.mesh.ici=fsdp:-1,tensor:-1"],
+     ["mesh.ici", "both -1", "at most one size per tier may be -1"]),
+    ("mesh_axis_unknown", [TINY, "--workdir={W}", "--config.mesh.ici=fsdp:4,bogus:2"],
+     ["mesh.ici", "unknown mesh axis 'bogus'", "use one of data,"]),
+    # The tiny mesh (fsdp 4 x tensor 2) splits the batch 4 ways, so 12 would divide; fsdp:8 not.
+    ("batch_not_divisible_by_mesh",
+     [TINY, "--workdir={W}", "--config.mesh.ici=fsdp:8", "--config.data.global_batch_size=12"],
+     ["data.global_batch_size=12", "fsdp=8", "use a multiple of 8"]),
+    ("logical_axis_unknown",
+     [TINY, "--workdir={W}", "--config.sharding.param_overrides=nosuch=fsdp"],
+     ["sharding.param_overrides", "unknown logical axis 'nosuch'", "known: batch"]),
+    ("rules_preset_unknown", [TINY, "--workdir={W}", "--config.sharding.preset=nosuch"],
+     ["sharding.preset='nosuch'", "choose one of dp, fsdp"]),
+    ("kv_heads_do_not_divide_heads", [TINY, "--workdir={W}", "--config.model.n_kv_heads=3"],
+     ["model.n_heads=4", "model.n_kv_heads=3", "heads = k * kv_heads"]),
+    ("microbatches_do_not_divide_batch", [TINY, "--workdir={W}", "--config.train.microbatches=3"],
+     ["train.microbatches=3", "data.global_batch_size=16", "pick a micro-batch count"]),
+    ("learning_rate_negative", [TINY, "--workdir={W}", "--config.optimizer.learning_rate=-0.1"],
+     ["optimizer.learning_rate=-0.1", "must be a finite number > 0",
+      "give e.g. --config.optimizer.learning_rate="]),
+    ("data_source_unknown", [TINY, "--workdir={W}", "--config.data.source=nosuch"],
+     ["data.source='nosuch'", "choose one of stdlib_docs, synthetic"]),
+    ("resume_from_missing", [TINY, "--workdir={W}", "--config.train.resume_from={W}/nosuch"],
+     ["train.resume_from=", "is not a directory", "give a workdir"]),
+    ("checkpoint_of_another_model", [TINY, "--workdir={W}", "--config.model.d_model=64"],
+     ["holds a different model", "model.d_model=32 there, 64 here",
+      "use a fresh --workdir or --config.model.d_model=32"]),
+]
+
+
+_MISTAKE_TEST = "test_mistake_is_one_line_and_leaves_the_workdir_untouched"
+
+
+@pytest.fixture(scope="module")
+def mistake_runs(request, trained, tmp_path_factory) -> dict[str, tuple]:
+  """Runs the selected MISTAKES, a few at a time: each is a short process that spends its
+  time importing JAX, so running them side by side keeps this file's runtime small. Each gets
+  its own copy of the trained workdir. name -> (workdir, snapshot before, result)."""
+  selected = {item.callspec.id for item in request.session.items
+              if getattr(item, "originalname", None) == _MISTAKE_TEST
+              and hasattr(item, "callspec")}
+  cases = {}
+  for name, args, _ in MISTAKES:
+    if name in selected:
+      workdir = tmp_path_factory.mktemp(name) / "w"
+      shutil.copytree(trained[0], workdir, copy_function=shutil.copy2)
+      cases[name] = (workdir, [a.replace("{W}", str(workdir)) for a in args])
+
+  def run_one(name: str) -> tuple[str, tuple]:
+    workdir, args = cases[name]
+    before = snapshot(workdir)
+    return name, (workdir, before, train(*args, timeout=MISTAKE_TIMEOUT_S))
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+    return dict(pool.map(run_one, cases))
+
+
+@pytest.mark.parametrize("name, fragments", [(m[0], m[2]) for m in MISTAKES],
+                         ids=[m[0] for m in MISTAKES])
+def test_mistake_is_one_line_and_leaves_the_workdir_untouched(mistake_runs, name, fragments):
+  workdir, before, result = mistake_runs[name]
+  line = the_error_line(result)
+  for fragment in fragments:
+    assert fragment in line, line
+  assert snapshot(workdir) == before
+  print(line)  # shown with -rA: the exact lines users see
+
+
+def test_non_finite_loss_stops_naming_the_step_and_saves_nothing_from_then_on(workdir_copy):
+  workdir = workdir_copy
+  # Resumes the copy at step 10 with an absurd learning rate: the loss blows up a step or two
+  # later. Checkpoints 5 and 10 must stay as they were, and none may appear at or after the
+  # failing step (checkpoint_every=5 would otherwise save step 15).
+  before = snapshot(workdir / "checkpoints")
+  result = train(TINY, f"--workdir={workdir}", "--config.train.steps=20",
+                 "--config.optimizer.learning_rate=1e30")
+  assert "restored step 10" in result.stdout
+  line = the_error_line(result)
+  failing = re.search(r"loss is (nan|inf|-inf) at step (\d+)", line)
+  assert failing, line
+  assert "optimizer.learning_rate" in line and "Lower" in line
+  assert 10 < int(failing.group(2)) <= 20
+  assert checkpoint_steps(workdir) == {5, 10}
+  assert snapshot(workdir / "checkpoints") == before
+  print(line)

@@ -1,0 +1,219 @@
+"""Command-line mistakes as one line each.
+
+absl and ml_collections report flag mistakes as tracebacks or multi-line "FATAL" blocks. The
+helpers here turn each into one `error:` line naming the flag and the fix; every entry point
+(`toolkit.train`, `toolkit.sample`, ...) parses its flags through `parse_flags`.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import re
+import sys
+import traceback
+import logging as std_logging
+
+import ml_collections
+
+from toolkit.config import ConfigError
+
+
+USAGE_EXIT = 2  # a mistake on the command line, found before anything ran
+
+
+def fail(message: str, exit_code: int = 1) -> None:
+  print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+  sys.exit(exit_code)
+
+
+def config_argument(argv: list[str]) -> str | None:
+  """The text given to --config (the last one wins, as in absl), or None."""
+  value = None
+  for i, arg in enumerate(argv):
+    if arg == "--":
+      break
+    match = re.fullmatch(r"--?config(?:=(.*))?", arg, re.S)
+    if match:
+      value = match.group(1) if match.group(1) is not None else (
+          argv[i + 1] if i + 1 < len(argv) else "")
+  return value
+
+
+def _override_paths(argv: list[str]) -> list[tuple[str, str]]:
+  """(flag as typed, dotted field path) for each --config.FIELD override, in order."""
+  found = []
+  for arg in argv:
+    if arg == "--":
+      break
+    match = re.match(r"(--?(?:no)?config\.([^=]*))", arg)
+    if match:
+      found.append((match.group(1), match.group(2)))
+  return found
+
+
+def _unknown_field(config: ml_collections.ConfigDict, flag: str, path: str) -> str | None:
+  """Why `path` names no field of `config` (with the fields it could be), or None."""
+  node, parents = config, ["config"]
+  for key in path.split("."):
+    if not isinstance(node, ml_collections.ConfigDict):
+      return (f"{flag}: config.{'.'.join(parents[1:])} is a value, not a section; override it "
+              f"as --{'.'.join(parents)}=VALUE")
+    if key not in node:
+      known = sorted(node.keys())
+      close = difflib.get_close_matches(key, known, n=1)
+      hint = f"did you mean --{'.'.join(parents)}.{close[0]}? " if close else ""
+      return (f"{flag}: {'.'.join(parents)} has no field {key!r}; {hint}known: "
+              f"{', '.join(known)}")
+    node, parents = node[key], parents + [key]
+  return None
+
+
+def _field_value(config: ml_collections.ConfigDict, path: str):
+  for key in path.split("."):
+    config = config[key]
+  return config
+
+
+def _load_experiment(config_arg: str):
+  """get_config() of `path[:arg]`, as config_flags calls it; only used to explain an error."""
+  path, *arg = config_arg.split(":", 1)
+  spec = importlib.util.spec_from_file_location("_experiment_for_error", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not callable(getattr(module, "get_config", None)):
+    raise ConfigError(f"{path} defines no get_config(arg=None); add one that returns an "
+                      f"ml_collections.ConfigDict")
+  return module.get_config(*arg)
+
+
+def explain_flag_error(error: Exception, argv: list[str]) -> str:
+  """One line for an exception raised while absl parsed the command line."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  config_arg = config_argument(argv)
+  overrides = _override_paths(argv)
+  config = None
+  if config_arg is None:
+    if overrides:
+      return (f"{overrides[0][0]} needs --config before it; give e.g. "
+              f"--config=experiments/lm.py:tiny {overrides[0][0]}=...")
+  else:
+    config_index = max(i for i, arg in enumerate(argv) if re.match(r"--?config(=|$)", arg))
+    early = [arg for arg in argv[:config_index] if re.match(r"--?(no)?config\.", arg)]
+    if early:
+      return (f"{early[0]} comes before --config; give --config={config_arg} first, then the "
+              f"--config.FIELD overrides")
+    config_path = config_arg.split(":", 1)[0]
+    if not os.path.isfile(config_path):
+      return missing_config_file(config_arg)
+    # Loading the experiment again (it has no side effects) gives its own exception, where
+    # config_flags wraps it with a traceback in the text or lets it escape.
+    try:
+      config = _load_experiment(config_arg)
+    except Exception as load_error:  # pylint: disable=broad-except
+      return _experiment_error(config_arg, config_path, load_error)
+    if isinstance(config, ml_collections.ConfigDict):
+      for flag, path in overrides:
+        reason = _unknown_field(config, flag, path)
+        if reason:
+          return reason
+  if isinstance(error, flags.UnrecognizedFlagError):
+    close = difflib.get_close_matches(error.flagname, list(flags.FLAGS), n=1)
+    hint = f"; did you mean --{close[0]}?" if close else ""
+    return f"unknown flag --{error.flagname}{hint} (see --help for the flags)"
+  match = re.match(r"flag --([^=]+)=(.*?): (.*)", str(error), re.S)
+  if isinstance(error, flags.IllegalFlagValueError) and match:
+    name, value, reason = match.groups()
+    reason = reason.strip().splitlines()[0] if reason.strip() else "invalid value"
+    if name.startswith("config.") and isinstance(config, ml_collections.ConfigDict):
+      field = name[len("config."):]
+      current = _field_value(config, field)  # exists: unknown fields were reported above
+      if isinstance(current, ml_collections.ConfigDict):
+        return (f"--{name}={value}: config.{field} is a section; override one of its fields, "
+                f"e.g. --{name}.{sorted(current.keys())[0]}=...")
+      if isinstance(current, bool):
+        return (f"--{name}={value}: config.{field} is a bool; give true or false, e.g. "
+                f"--{name}={str(not current).lower()}")
+      return (f"--{name}={value}: {reason}; config.{field} is of type "
+              f"{type(current).__name__} ({current!r} in {config_arg}), give e.g. "
+              f"--{name}={current}")
+    return f"--{name}={value}: {reason}"
+  first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+  missing = re.fullmatch(r"Missing value for flag (-\S+)", first)
+  if missing:
+    return f"{missing.group(1)} needs a value; write {missing.group(1)}=VALUE"
+  if not isinstance(error, flags.Error):
+    first = f"{type(error).__name__}: {first}"
+  return f"{first} (see --help for the flags)"
+
+
+def missing_config_file(config_arg: str) -> str:
+  path = config_arg.split(":", 1)[0]
+  if not path:
+    return "--config is empty; give an experiment file, e.g. --config=experiments/lm.py:tiny"
+  if os.path.isfile(path):
+    return (f"--config={config_arg}: {path} did not load (unreadable, or get_config() returned "
+            f"no ConfigDict); fix the experiment file")
+  where = "is a directory" if os.path.isdir(path) else "does not exist"
+  return (f"--config={config_arg}: the experiment file {path} {where} (relative to "
+          f"{os.getcwd()}); give e.g. --config=experiments/lm.py:tiny")
+
+
+def _experiment_error(config_arg: str, config_path: str, error: BaseException) -> str:
+  """The experiment's own message for get_config failing; its location if it is not a
+  ValueError (then it is more likely a bug in the file than a bad variant)."""
+  message = str(error).strip() or type(error).__name__
+  for prefix in (f"{config_path}: ", f"{os.path.basename(config_path)}: "):
+    message = message.removeprefix(prefix)
+  if isinstance(error, SyntaxError):
+    message = (f"SyntaxError at {config_path}:{error.lineno}: {error.msg}; fix the experiment "
+               f"file")
+  elif not isinstance(error, ValueError):
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if os.path.exists(f.filename) and os.path.samefile(f.filename, config_path)]
+    where = f" at {config_path}:{frames[-1].lineno}" if frames else ""
+    message = f"{type(error).__name__}{where}: {message}; fix the experiment file"
+  return f"--config={config_arg}: {message}"
+
+
+def parse_flags(argv: list[str], config_flag=None, required: dict[str, str] | None = None
+                ) -> list[str]:
+  """absl's flag parsing with every mistake as one line and exit code USAGE_EXIT.
+
+  Args:
+    argv: the command line.
+    config_flag: the holder from `config_flags.DEFINE_config_file`, when the entry point has
+      one; it is then required.
+    required: flag name -> what to give, for the other required flags.
+  """
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  # absl's own parser prints "FATAL Flags parsing error" blocks and lets some config_flags
+  # exceptions escape as tracebacks; every one of them becomes one line here.
+  try:
+    rest = flags.FLAGS(argv)
+  except Exception as e:  # pylint: disable=broad-except  # incl. a broken experiment file
+    fail(explain_flag_error(e, argv), USAGE_EXIT)
+  if len(rest) > 1:
+    fail(f"unexpected arguments {' '.join(rest[1:])!r}; flags take the form --name=value "
+         f"(see --help)", USAGE_EXIT)
+  if config_flag is not None:
+    config_arg = config_argument(argv)
+    if config_arg is None:
+      fail("--config is required; give an experiment file and variant, e.g. "
+           "--config=experiments/lm.py:tiny", USAGE_EXIT)
+    if not isinstance(config_flag.value, ml_collections.ConfigDict):
+      # config_flags defers a file that failed to load (missing, unreadable) to first use.
+      fail(missing_config_file(config_arg), USAGE_EXIT)
+  for name, what in (required or {}).items():
+    if flags.FLAGS[name].value is None:
+      fail(f"--{name} is required; give {what}", USAGE_EXIT)
+  return rest
+
+
+def quiet_logging() -> None:
+  """Orbax logs every save at INFO: show warnings only, unless -v/--verbosity was given."""
+  from absl import flags, logging  # pylint: disable=g-import-not-at-top
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+    # tensorboardX warns per NaN scalar; the loop's own non-finite check says it in one line.
+    std_logging.getLogger("tensorboardX").setLevel(std_logging.ERROR)
