@@ -187,10 +187,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
     fetched = jax.device_get([m for _, m in pending])
     for (at_step, _), values in zip(pending, fetched):
       values = {k: float(v) for k, v in values.items()}
-      if not math.isfinite(values["loss"]):
+      # A non-finite gradient poisons the parameters one step before the loss shows it.
+      bad = [name for name in ("loss", "grad_norm") if not math.isfinite(values[name])]
+      if bad:
         raise NonFiniteLoss(
-            f"loss is {values['loss']} at step {at_step}; stopped without saving that state. "
-            f"Lower optimizer.learning_rate or clip harder (optimizer.clip_norm)")
+            f"{bad[0]} is {values[bad[0]]} at step {at_step}; stopped without saving that "
+            f"state. Lower optimizer.learning_rate or clip harder (optimizer.clip_norm)")
       result.train_losses[at_step] = values["loss"]
       writer.write(at_step, "train", values)
     log(metrics_lib.progress_line(pending[-1][0], total_steps, values, seconds / len(pending),

@@ -281,7 +281,7 @@ def test_non_finite_loss_stops_naming_the_step_and_saves_nothing_from_then_on(wo
                  "--config.optimizer.learning_rate=1e30")
   assert "restored step 10" in result.stdout
   line = the_error_line(result)
-  failing = re.search(r"loss is (nan|inf|-inf) at step (\d+)", line)
+  failing = re.search(r"(?:loss|grad_norm) is (nan|inf|-inf) at step (\d+)", line)
   assert failing, line
   assert "optimizer.learning_rate" in line and "Lower" in line
   assert 10 < int(failing.group(2)) <= 20
