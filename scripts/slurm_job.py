@@ -1,0 +1,161 @@
+"""A SLURM batch script that runs `python -m toolkit.train` on GPU nodes, and its submission.
+
+  python scripts/slurm_job.py --nodes=2 --gpus-per-node=8 --time=04:00:00 \\
+      --config=experiments/lm.py:size=1b --workdir=/shared/runs/lm -- --config.train.steps=1000
+  python scripts/slurm_job.py ... --dry-run > lm.sbatch      # print the script, submit nothing
+
+Without --dry-run the script goes to `sbatch` on stdin. The body is one `srun` of the same
+toolkit.train command in every task; `jax.distributed.initialize()` with no arguments finds
+the cluster from SLURM's variables (SLURM_PROCID, SLURM_NTASKS, SLURM_STEP_NODELIST; the
+coordinator is the first node, on a port derived from the job id), so nothing here assigns
+ranks.
+
+Tasks: one per GPU by default (`--ntasks-per-node` = GPUs per node). JAX then gives each
+process the GPU numbered SLURM_LOCALID, so every task must see all of its node's GPUs: the
+script asks for `--gpus-per-node`, never `--gpus-per-task` or a GPU binding, which would
+leave each task one GPU numbered 0. With --per-node, one task per node drives all its GPUs:
+JAX's SLURM detection would still limit each process to GPU SLURM_LOCALID (= 0), so the
+script sets JAX_LOCAL_DEVICE_IDS to all of them. `srun --kill-on-bad-exit=1` stops every
+task when one fails, instead of leaving the others blocked in a collective.
+
+--workdir must be one directory every node can write (a shared file system or gs://). A bad
+flag prints one `error:` line and exits 2; a failed sbatch exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+USAGE_EXIT = 2
+
+
+def fail(message: str, exit_code: int = USAGE_EXIT) -> None:
+  print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+  sys.exit(exit_code)
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse with every mistake as one `error:` line (no usage block), exit code 2."""
+
+  def error(self, message):
+    fail(f"{message} (see {self.prog} --help)")
+
+
+def batch_script(args: argparse.Namespace, train_args: list[str]) -> str:
+  tasks_per_node = 1 if args.per_node else args.gpus_per_node
+  directives = [
+      f"--job-name={args.job_name}",
+      f"--nodes={args.nodes}",
+      f"--ntasks-per-node={tasks_per_node}",
+      f"--gpus-per-node={args.gpus_per_node}",
+      f"--time={args.time}",
+      f"--output={args.output}",
+  ]
+  directives += [f"--partition={args.partition}"] if args.partition else []
+  directives += [f"--account={args.account}"] if args.account else []
+  directives += args.sbatch
+  lines = ["#!/bin/bash"] + [f"#SBATCH {d}" for d in directives]
+  if args.per_node:
+    lines += [
+        f"# One task per node drives all {args.gpus_per_node} GPUs; without this JAX's SLURM",
+        "# detection gives each process only GPU SLURM_LOCALID (= 0).",
+    ]
+  else:
+    lines += [
+        "# One task per GPU: JAX's SLURM detection gives task SLURM_LOCALID that GPU of the",
+        f"# {args.gpus_per_node} every task sees (so no --gpus-per-task / GPU binding here).",
+    ]
+  lines += ["set -euo pipefail", f"cd {shlex.quote(args.repo_dir)}"]
+  env = list(args.env)
+  if args.per_node:
+    env.append(("JAX_LOCAL_DEVICE_IDS", ",".join(map(str, range(args.gpus_per_node)))))
+  lines += [f"export {key}={shlex.quote(value)}" for key, value in env]
+  srun = ["srun", "--kill-on-bad-exit=1", args.python, "-m", "toolkit.train",
+          f"--config={args.config}", f"--workdir={args.workdir}", *train_args]
+  lines.append(shlex.join(srun))
+  return "\n".join(lines) + "\n"
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+  key, sep, value = text.partition("=")
+  if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+    raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE with KEY a shell variable name")
+  return key, value
+
+
+def _positive(text: str) -> int:
+  if not text.isdigit() or int(text) < 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+  return int(text)
+
+
+def _time(text: str) -> str:
+  # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS.
+  if not re.fullmatch(r"\d+(-\d+)?(:\d+){0,2}", text):
+    raise argparse.ArgumentTypeError(f"{text!r} is not a SLURM time such as 04:00:00 or 1-00:00:00")
+  return text
+
+
+def _directive_value(text: str) -> str:
+  if "\n" in text:
+    raise argparse.ArgumentTypeError(f"{text!r} spans lines; give one value")
+  return text
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+  """(flags, train arguments after `--`)."""
+  train_args: list[str] = []
+  if "--" in argv:
+    split = argv.index("--")
+    argv, train_args = argv[:split], argv[split + 1:]
+  parser = _Parser(prog="slurm_job.py", description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--nodes", type=_positive, required=True, help="nodes to allocate")
+  parser.add_argument("--gpus-per-node", type=_positive, default=8, help="default 8")
+  parser.add_argument("--per-node", action="store_true",
+                      help="one task per node driving all its GPUs (default: one per GPU)")
+  parser.add_argument("--time", type=_time, default="04:00:00", help="wall time limit")
+  parser.add_argument("--job-name", type=_directive_value, default="meshkit")
+  parser.add_argument("--output", type=_directive_value, default="%x-%j.out",
+                      help="SLURM log file pattern (default %%x-%%j.out: name-jobid.out)")
+  parser.add_argument("--partition", type=_directive_value)
+  parser.add_argument("--account", type=_directive_value)
+  parser.add_argument("--sbatch", type=_directive_value, action="append", default=[],
+                      metavar="OPTION", help="another #SBATCH line, e.g. --sbatch=--exclusive "
+                      "(repeatable)")
+  parser.add_argument("--repo-dir", type=_directive_value, default=str(REPO),
+                      help="meshkit checkout on the cluster's shared file system (default: "
+                      "this one)")
+  parser.add_argument("--python", default="python",
+                      help="Python with meshkit[cuda] installed (default python)")
+  parser.add_argument("--config", required=True,
+                      help="experiment file and variant, e.g. experiments/lm.py:size=1b")
+  parser.add_argument("--workdir", required=True, help="a directory every node can write")
+  parser.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
+                      help="environment variable for the training processes (repeatable)")
+  parser.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+  return parser.parse_args(argv), train_args
+
+
+def main(argv: list[str]) -> None:
+  args, train_args = parse(argv)
+  script = batch_script(args, train_args)
+  if args.dry_run:
+    sys.stdout.write(script)
+    return
+  if shutil.which("sbatch") is None:
+    fail("sbatch is not on PATH; run this on the cluster's login node, or use --dry-run to "
+         "print the script", 1)
+  code = subprocess.run(["sbatch"], input=script, text=True).returncode
+  if code:
+    fail(f"sbatch exited with {code}", 1)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
