@@ -240,6 +240,21 @@ def accelerator(name: str) -> TpuType:
   raise ValueError(f"unknown TPU accelerator type {name!r}; {hint}known: {valid}")
 
 
+# Dense bf16 peak FLOP/s of GPUs (NVIDIA data sheets, SXM parts, no sparsity), for MFU.
+GPU_PEAK_BF16_FLOPS: dict[str, float] = {
+    "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12,
+}
+
+
+def peak_flops_per_chip(device_kind: str) -> float:
+  """Dense bf16 peak of one device of `device_kind` (jax's name), or 0.0 when unknown."""
+  for gen in GENERATIONS.values():
+    if gen.device_kind == device_kind:
+      return gen.peak_bf16_flops_per_chip
+  return GPU_PEAK_BF16_FLOPS.get(device_kind, 0.0)
+
+
 def format_table(types=None) -> str:
   """A text table of `types` (default: all), one row per type."""
   rows = [("type", "chips", "hosts", "chips/host", "topology", "HBM/chip", "bf16/chip",

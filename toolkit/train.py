@@ -22,18 +22,10 @@ import optax
 
 import sharding
 from toolkit import checkpoint, config as config_lib, data, metrics as metrics_lib, state as state_lib
-from toolkit import command_line
+from toolkit import command_line, topology
 from toolkit import step as step_lib
 from toolkit.config import ConfigError
 from toolkit.sample import sample_text
-
-# Dense bf16 peak FLOP/s per chip, used for MFU when train.peak_flops_per_device is 0.
-PEAK_FLOPS_BY_DEVICE_KIND = {
-    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
-    "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12,
-    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12,
-}
-
 
 class NonFiniteLoss(RuntimeError):
   """Training produced a NaN or infinite loss; no checkpoint of that state was written."""
@@ -94,7 +86,7 @@ class RunResult:
 def _peak_flops(config) -> float:
   if config.train.peak_flops_per_device > 0:
     return config.train.peak_flops_per_device
-  return PEAK_FLOPS_BY_DEVICE_KIND.get(jax.devices()[0].device_kind, 0.0)
+  return topology.peak_flops_per_chip(jax.devices()[0].device_kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +198,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
   # --- loop ----------------------------------------------------------------------------------
   if start_step == 0:
     evaluate(0)
+  elif start_step == total_steps:
+    log(f"the checkpoint is at train.steps={total_steps} already: nothing to train; raise "
+        f"--config.train.steps to continue")
   pending: list = []
   interval_start = time.perf_counter()
   guard = "disallow" if config.train.transfer_guard else "allow"
