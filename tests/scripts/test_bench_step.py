@@ -1,0 +1,35 @@
+"""Smoke test: scripts/bench_step.py --quick runs end to end and its numbers hang together."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_quick_benchmark_runs_and_reports(tmp_path):
+  out = tmp_path / "bench.json"
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+         "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run(
+      [sys.executable, str(REPO / "scripts" / "bench_step.py"), "--quick", f"--json={out}"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "ratio toolkit/bare" in proc.stdout
+  result = json.loads(out.read_text())
+  assert result["devices"] == 8
+  # The script itself asserts the agreement; check it really compared the same steps.
+  losses = result["check_losses"]
+  assert len(losses["bare"]) == len(losses["toolkit"]) == 3
+  assert losses["toolkit"][2] != losses["toolkit"][0], "no nonzero update was checked"
+  for name in ("toolkit", "bare"):
+    row = result["results"][name]
+    assert len(row["round_step_s"]) == result["rounds"] == 2
+    assert row["median_step_s"] > 0
+    assert row["tokens_per_second"] * row["median_step_s"] == pytest.approx(
+        result["tokens_per_step"])
+  assert result["ratio"] > 0
+
