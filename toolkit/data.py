@@ -60,12 +60,16 @@ def _rows_for_step(seed: int, step: int, global_batch: int, limit: int) -> np.nd
   return rng.integers(0, limit, size=global_batch)
 
 
-def local_row_range(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
-  """The contiguous rows of a batch-sharded array that this process's devices hold."""
-  indices = sharding.addressable_devices_indices_map(global_shape).values()
-  starts = [idx[0].start or 0 for idx in indices]
-  stops = [global_shape[0] if idx[0].stop is None else idx[0].stop for idx in indices]
-  return slice(min(starts), max(stops))
+def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> np.ndarray:
+  """The rows of a batch-sharded array that this process's devices hold, ascending.
+
+  They need not be contiguous (say batch over data x fsdp with data the inner mesh axis): a
+  process then holds several blocks, and `make_array_from_process_local_data` takes its rows
+  as those blocks concatenated in global order, which is this order."""
+  rows = set()
+  for index in sharding.addressable_devices_indices_map(global_shape).values():
+    rows.update(range(*index[0].indices(global_shape[0])))
+  return np.array(sorted(rows), dtype=np.int64)
 
 
 class Batches:
@@ -77,7 +81,7 @@ class Batches:
     self.global_batch_size, self.eval_batches = global_batch_size, eval_batches
     self.sharding = sharding
     self.shape = (global_batch_size, seq_len)
-    self.rows = local_row_range(sharding, self.shape)
+    self.rows = local_rows(sharding, self.shape)
 
   def _windows(self, step: int, tokens: np.ndarray, salt: int) -> np.ndarray:
     if self.source.synthetic:
@@ -91,7 +95,10 @@ class Batches:
 
   def _place(self, windows: np.ndarray) -> Batch:
     make = lambda x: jax.make_array_from_process_local_data(self.sharding, x, self.shape)
-    return {"inputs": make(windows[:, :-1]), "targets": make(windows[:, 1:])}
+    # A deliberate transfer, so allowed under the loop's transfer guard; with several
+    # processes JAX places the rows shard by shard, which the guard would count as implicit.
+    with jax.transfer_guard_host_to_device("allow"):
+      return {"inputs": make(windows[:, :-1]), "targets": make(windows[:, 1:])}
 
   def batch(self, step: int) -> Batch:
     """The global batch for training step `step` (0-based)."""

@@ -115,15 +115,22 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
   return step
 
 
-def compile_step(step: TrainStep, state_layout: StateLayout, abstract_batch: Batch, mesh: Mesh):
-  """Lowers and compiles the train and eval steps once for these exact shapes and shardings.
-
-  Returns (train, eval) compiled executables; the train step donates the state."""
+def jit_step(step: TrainStep, state_layout: StateLayout, abstract_batch: Batch, mesh: Mesh):
+  """The train and eval steps jitted with explicit shardings, the train step donating the
+  state; `compile_step` and ahead-of-time compiles (`toolkit.compile`) both lower these."""
   replicated = NamedSharding(mesh, PartitionSpec())
   batch_shardings = jax.tree.map(lambda a: a.sharding, abstract_batch)
   train = jax.jit(step.fn, in_shardings=(state_layout.shardings, batch_shardings),
                   out_shardings=(state_layout.shardings, replicated), donate_argnums=0)
   evaluate = jax.jit(step.eval_fn, in_shardings=(state_layout.shardings, batch_shardings),
                      out_shardings=replicated)
+  return train, evaluate
+
+
+def compile_step(step: TrainStep, state_layout: StateLayout, abstract_batch: Batch, mesh: Mesh):
+  """Lowers and compiles the train and eval steps once for these exact shapes and shardings.
+
+  Returns (train, eval) compiled executables; the train step donates the state."""
+  train, evaluate = jit_step(step, state_layout, abstract_batch, mesh)
   return (train.lower(state_layout.abstract, abstract_batch).compile(),
           evaluate.lower(state_layout.abstract, abstract_batch).compile())

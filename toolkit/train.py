@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
 import sharding
 from toolkit import checkpoint, config as config_lib, data, metrics as metrics_lib, state as state_lib
@@ -26,6 +27,11 @@ from toolkit import command_line, topology
 from toolkit import step as step_lib
 from toolkit.config import ConfigError
 from toolkit.sample import sample_text
+
+# The end-of-run sample of a multi-process run gathers the parameters on every host; above this
+# size it is skipped (toolkit.sample restores onto one device instead).
+SAMPLE_GATHER_LIMIT_BYTES = 2**30
+
 
 class NonFiniteLoss(RuntimeError):
   """Training produced a NaN or infinite loss; no checkpoint of that state was written."""
@@ -49,14 +55,22 @@ def _prepare_workdir(workdir: str) -> None:
 
 
 class _StopSignal:
-  """SIGTERM/SIGINT set a flag; the loop finishes its step, saves and exits cleanly."""
+  """SIGTERM/SIGINT set a flag; the loop finishes its step, saves and exits cleanly.
+
+  With several processes all must stop after the same step, or the ones still training wait
+  in a collective for the ones saving. JAX's runtime catches SIGTERM on any process and agrees
+  with the others on a step (`reached_preemption_sync_point`, TPU maintenance events use it
+  too), so SIGTERM is left to it and SIGINT is passed on to it as SIGTERM.
+  """
 
   def __init__(self):
     self.requested = False
+    self.multiprocess = jax.process_count() > 1
     self._previous = {}
 
   def __enter__(self):
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    signals = (signal.SIGINT,) if self.multiprocess else (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
       try:
         self._previous[sig] = signal.signal(sig, self._handle)
       except ValueError:  # not the main thread: leave signals alone
@@ -65,8 +79,17 @@ class _StopSignal:
 
   def _handle(self, signum, frame):
     del frame
+    if self.multiprocess:
+      os.kill(os.getpid(), signal.SIGTERM)
+      return
     self.requested = True
     log(f"received {signal.Signals(signum).name}: finishing this step, then saving")
+
+  def should_stop(self, done: int) -> bool:
+    """Whether to stop after step `done`; call it once per step, on every process."""
+    if self.multiprocess:
+      return multihost_utils.reached_preemption_sync_point(done)
+    return self.requested
 
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
@@ -174,9 +197,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
     writer.write(at_step, "eval", {"loss": loss, "bits_per_byte": loss / math.log(2)})
     log(f"eval at step {at_step}: loss {loss:.4f} ({loss / math.log(2):.3f} bits per byte)")
 
-  def flush(pending: list, seconds: float) -> None:
-    """Fetches pending step metrics, stops on a non-finite loss, logs the latest."""
+  def flush(pending: list, started: float) -> None:
+    """Fetches pending step metrics, stops on a non-finite loss, logs the latest; the steps
+    took from `started` until their metrics arrived (not only until they were dispatched)."""
     fetched = jax.device_get([m for _, m in pending])
+    seconds = time.perf_counter() - started
     for (at_step, _), values in zip(pending, fetched):
       values = {k: float(v) for k, v in values.items()}
       # A non-finite gradient poisons the parameters one step before the loss shows it.
@@ -215,10 +240,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
         at_end = done == total_steps
         # Read the stop flag once per step: a signal that lands during this step's flush, eval
         # or save is acted on next step, so "stopped" always means "flushed and saved".
-        stopping = stop.requested
+        stopping = stop.should_stop(done)
         save_now = done % config.train.checkpoint_every == 0 or at_end or stopping
         if done % config.train.log_every == 0 or save_now:
-          flush(pending, time.perf_counter() - interval_start)
+          flush(pending, interval_start)
           interval_start = time.perf_counter()
         if done % config.train.eval_every == 0 or at_end:
           evaluate(done)
@@ -235,12 +260,23 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
     checkpoints.close()
     writer.close()
   result.step_traces = setup.step.traces
+  params = state["params"]
+  want_sample = config.train.sample_tokens > 0 and not result.stopped_early
+  if want_sample and jax.process_count() > 1:
+    # Process 0 samples on its own, from parameters that other hosts hold parts of. Gathering
+    # them is a collective: every process takes part, before process 0 goes on alone.
+    if layout.report.total_bytes > SAMPLE_GATHER_LIMIT_BYTES:
+      want_sample = False
+      log(f"no sample: the parameters ({layout.report.total_bytes / 2**30:.1f} GiB) are too big "
+          f"to gather on one host; sample from the checkpoint (python -m toolkit.sample)")
+    else:
+      params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
     plot = metrics_lib.plot_loss_curve(writer.path, os.path.join(workdir, "loss.png"))
     if plot:
       log(f"loss curve: {plot}")
-    if config.train.sample_tokens > 0 and not result.stopped_early:
-      result.sample = sample_text(layout.graphdef, state["params"], config.train.sample_prompt,
+    if want_sample:
+      result.sample = sample_text(layout.graphdef, params, config.train.sample_prompt,
                                   config.train.sample_tokens, config.data.seq_len, seed=config.seed)
       log(f"sample:\n{result.sample}")
   return result
@@ -249,26 +285,61 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
 def cli() -> None:
   """`python -m toolkit.train` / `meshkit-train`: flags are defined here and nowhere else.
 
+  On a TPU pod or GPU cluster every worker runs the same command; `toolkit.distributed` joins
+  them into one job (flags, else SLURM / Open MPI / Cloud TPU, else one process).
+
   Exit status: 0 when training finished or stopped on SIGTERM/SIGINT with a checkpoint;
-  2 for a command-line mistake; 1 for a config, workdir or checkpoint mistake or a non-finite
-  loss. Every mistake prints one `error:` line on stderr, and nothing in the workdir changes.
+  2 for a command-line mistake; 1 for a config, workdir or checkpoint mistake, a non-finite
+  loss, or a peer process that failed or never started. Every mistake prints one `error:` line
+  on stderr, and nothing in the workdir changes. When JAX's runtime itself ends a process
+  (process 0 died, or a peer stopped sending heartbeats) it exits on SIGABRT.
   """
   from absl import app, flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  from toolkit import distributed  # pylint: disable=g-import-not-at-top
   config_flag = config_flags.DEFINE_config_file(
       "config", None, "Required. Experiment file and variant, e.g. experiments/lm.py:tiny. "
       "Override single fields with --config.FIELD=VALUE (after --config).", lock_config=True)
   workdir_flag = flags.DEFINE_string(
       "workdir", None, "Required. Directory for checkpoints, metrics and plots; a run resumes "
       "from its latest checkpoint.")
+  coordinator_flag = flags.DEFINE_string(
+      "coordinator_address", None, "HOST:PORT of process 0, for several processes outside "
+      "SLURM, Open MPI and Cloud TPU (which are detected). Same on every process.")
+  num_processes_flag = flags.DEFINE_integer(
+      "num_processes", None, "Processes in the job (with --coordinator_address).", lower_bound=1)
+  process_id_flag = flags.DEFINE_integer(
+      "process_id", None, "This process's index, 0..num_processes-1 (with "
+      "--coordinator_address).", lower_bound=0)
+  initialization_timeout_flag = flags.DEFINE_integer(
+      "initialization_timeout", distributed.DEFAULT_INITIALIZATION_TIMEOUT_S,
+      "Seconds for every process of a multi-process job to connect; then it fails.",
+      lower_bound=1)
+  heartbeat_timeout_flag = flags.DEFINE_integer(
+      "heartbeat_timeout", distributed.DEFAULT_HEARTBEAT_TIMEOUT_S,
+      "Seconds without a heartbeat after which a process counts as dead and the job stops.",
+      lower_bound=1)
 
   def main(argv) -> None:
     del argv  # checked in parse_flags
     command_line.quiet_logging()
     try:
+      processes = distributed.initialize(
+          coordinator_flag.value, num_processes_flag.value, process_id_flag.value,
+          initialization_timeout=initialization_timeout_flag.value,
+          heartbeat_timeout=heartbeat_timeout_flag.value)
+    except ConfigError as e:
+      command_line.fail(e, command_line.USAGE_EXIT)
+    if processes.process_count > 1:
+      print(processes, flush=True)  # every process: one line each, to tell them apart
+    try:
       run(config_flag.value, workdir_flag.value)
     except (ConfigError, sharding.ShardingError, NonFiniteLoss) as e:
       command_line.fail(e)
+    except jax.errors.JaxRuntimeError as e:
+      if processes.process_count == 1:
+        raise
+      distributed.abandon(e)
 
   app.run(main, flags_parser=lambda argv: command_line.parse_flags(
       argv, config_flag, required={"workdir": "a directory for checkpoints and metrics, e.g. "
