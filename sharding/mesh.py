@@ -105,7 +105,9 @@ def make_mesh(ici: AxisSizes, dcn: AxisSizes = (), devices: Sequence[jax.Device]
   if num_slices == 1:
     device_array = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
   elif all(hasattr(d, "slice_index") for d in devices):
-    device_array = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices)
+    # As for one slice: an axis may take part of a physical axis (fsdp=32 x tensor=2 on 4x4x4).
+    device_array = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices,
+                                                        allow_split_physical_axes=True)
   else:
     device_array = _blocked_hybrid(ici_shape, dcn_shape, devices)
   return Mesh(device_array, tuple(names), axis_types=(AxisType.Auto,) * len(names))
