@@ -28,9 +28,10 @@ from typing import TextIO
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-# Gloo, the CPU backend's collectives, prints this on stderr for every device of every new
-# communicator (threads at once, so lines can come interleaved).
-_GLOO_CONNECTED = re.compile(r"is connected to \d+ peer ranks\. Expected number of connected")
+# Gloo, the CPU backend's collectives, prints "[Gloo] Rank R is connected to N peer ranks.
+# Expected number of connected peer ranks is : N" on stderr for every device of every new
+# communicator, from several threads at once, so the pieces of these lines can interleave.
+_GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank|connected peer ranks")
 
 
 def free_port() -> int:
