@@ -1,6 +1,6 @@
 """Llama-style decoder LM on byte-level text (CPython's own documentation, no download).
 
-Launch (the `make demo` job; ~3 minutes on 2 CPU cores, 8 simulated devices):
+Launch (the `make demo` job; under 5 minutes on 2 CPU cores, 8 simulated devices):
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
     python -m toolkit.train --config=experiments/lm.py:cpu --workdir=runs/lm_cpu
