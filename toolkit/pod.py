@@ -31,7 +31,19 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # Gloo, the CPU backend's collectives, prints "[Gloo] Rank R is connected to N peer ranks.
 # Expected number of connected peer ranks is : N" on stderr for every device of every new
 # communicator, from several threads at once, so the pieces of these lines can interleave.
+# When two threads interleave, pieces of these lines (a lone rank number, an empty line left by
+# the second thread's newline) can land on lines of their own, right after a Gloo line.
 _GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank|connected peer ranks")
+_GLOO_PIECES = re.compile(r"\[Gloo\]|Rank|is connected to|peer ranks\.?|Expected number of|"
+                          r"connected|is :|[\d\s.:]")
+
+
+def is_gloo_noise(line: str, after_gloo: bool) -> bool:
+  """Whether `line` is (a piece of) Gloo's connection chatter; `after_gloo`: the line before
+  it on the same stream was."""
+  if _GLOO_CONNECTED.search(line):
+    return True
+  return after_gloo and not _GLOO_PIECES.sub("", line)
 
 
 def free_port() -> int:
@@ -105,10 +117,12 @@ class Pod:
     return self
 
   def _pump(self, i: int, stream, sink: TextIO) -> None:
+    after_gloo = False
     for line in stream:
       with self._lock:
         self.lines[i].append(line.rstrip("\n"))
-        if _GLOO_CONNECTED.search(line):
+        after_gloo = is_gloo_noise(line.rstrip("\n"), after_gloo)
+        if after_gloo:
           continue  # one line per device and communicator: noise, kept in self.lines only
         sink.write(f"[p{i}] {line if line.endswith(chr(10)) else line + chr(10)}")
         sink.flush()
