@@ -12,7 +12,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# The demo needs meshkit only; the tests also need pytest and libtpu (TPU compiles from a CPU).
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $@
 
@@ -23,10 +28,10 @@ demo: $(VENV)/.installed
 	  $(BIN)/python -m toolkit.train --config=experiments/lm.py:cpu --workdir=$(DEMO_DIR)
 
 # The default suite: everything but tests marked slow (~10 minutes on 2 cores).
-test: $(VENV)/.installed
+test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: $(VENV)/.installed
+test-all: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed

@@ -11,7 +11,9 @@ Expected result: held-out loss falls from 8.1 bits per byte at step 0 to about 1
 Variants after the colon, comma separated:
   cpu          (default) the CPU demo: `cpu` model, fsdp x tensor mesh (fsdp:-1,tensor:2)
   tiny         the unit-test size: 2 layers, d_model 32, 10 steps
-  size=NAME    model preset: tiny, cpu, 125m, 1b, 7b, 70b (real shapes for compiles)
+  size=NAME    model preset: tiny, cpu, 125m, 1b, 7b, 70b; the real sizes (125m and up) also
+               set pod-scale batches (0.5 M to 4 M tokens per step, sequences of 1024 to
+               4096) and take the chip's peak FLOP/s from toolkit/topology.py
   rules=NAME   sharding preset: dp, fsdp, tp, fsdp_tp
   data=NAME    stdlib_docs or synthetic
 Single fields: --config.optimizer.learning_rate=1e-3, --config.mesh.ici=fsdp:4,tensor:2 …
@@ -29,7 +31,8 @@ def get_config(arg: str | None = None):
   config = defaults()
   config.mesh.ici = "data:1,fsdp:-1,tensor:2"
   config.sharding.preset = "fsdp_tp"
-  # 2 cores shared by 8 simulated devices: ~270 GFLOP/s f32 matmul peak measured / 8.
+  # 2 cores shared by 8 simulated devices: ~270 GFLOP/s f32 matmul peak measured / 8. The real
+  # sizes below set 0 instead: the peak then comes from the accelerator table.
   config.train.peak_flops_per_device = 34e9
   config.train.eval_every = 50
   for item in filter(None, (arg or "cpu").split(",")):
@@ -55,8 +58,17 @@ def get_config(arg: str | None = None):
   return config
 
 
+# Pod-scale batches for the real sizes: (sequence length, global batch in sequences), i.e.
+# 0.5 M tokens per step for 125m, 1 M for 1b and 7b, 4 M for 70b (Llama-style budgets).
+_POD_DATA = {"125m": (1024, 512), "1b": (2048, 512), "7b": (4096, 256), "70b": (4096, 1024)}
+
+
 def _set_model(config, preset: str) -> None:
   if preset not in MODEL_PRESETS:
     raise ValueError(f"experiments/lm.py: size={preset!r} is unknown; choose from "
                      f"{', '.join(MODEL_PRESETS)}")
   config.model.update(dataclasses.asdict(MODEL_PRESETS[preset]))
+  if preset in _POD_DATA:
+    seq_len, batch = _POD_DATA[preset]
+    config.data.update(seq_len=seq_len, global_batch_size=batch)
+    config.train.peak_flops_per_device = 0.0

@@ -2,7 +2,7 @@
 
   python scripts/gke_jobset.py --name=lm --accelerator-type=v5litepod-16 \\
       --image=us-docker.pkg.dev/PROJECT/REPO/meshkit:latest \\
-      --config=experiments/lm.py:size=1b --workdir=gs://BUCKET/lm -- --config.train.steps=1000
+      --config=experiments/lm.py:size=1b --gcs-bucket=BUCKET --workdir=/mnt/gcs/runs/lm -- --config.train.steps=1000
   python scripts/gke_jobset.py ... --slices=2 --output=lm.yaml     # write a file instead
   python scripts/gke_jobset.py ... --apply                         # pipe to kubectl apply -f -
 
@@ -41,10 +41,11 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a plain checkout too, without installing meshkit
 
-from toolkit import topology  # noqa: E402  pylint: disable=wrong-import-position
+from toolkit import topology, workdir  # noqa: E402  pylint: disable=wrong-import-position
 
 USAGE_EXIT = 2
 REPLICATED_JOB = "slice"
+GCS_MOUNT = "/mnt/gcs"
 TPU_PORTS = (8471, 8080, 8476)  # TPU runtime, megascale (DCN), jax.distributed coordinator
 
 
@@ -63,7 +64,7 @@ class _Parser(argparse.ArgumentParser):
 def jobset(*, name: str, tpu: topology.TpuType, slices: int, image: str, train_argv: list[str],
            env: list[tuple[str, str]], nodes: int, chips_per_node: int, namespace: str | None,
            max_restarts: int, queue: str | None, working_dir: str | None,
-           termination_grace_seconds: int) -> dict:
+           termination_grace_seconds: int, gcs_bucket: str | None = None) -> dict:
   """The JobSet as plain data (dicts, lists, str, int, bool)."""
   env_list = [{"name": key, "value": value} for key, value in env]
   if slices > 1:
@@ -97,6 +98,13 @@ def jobset(*, name: str, tpu: topology.TpuType, slices: int, image: str, train_a
       },
       "containers": [container],
   }
+  if gcs_bucket:
+    # GKE's Cloud Storage FUSE CSI driver mounts the bucket in every pod at GCS_MOUNT: the
+    # shared workdir. The pods' Kubernetes service account needs access to the bucket.
+    container["volumeMounts"] = [{"name": "gcs", "mountPath": GCS_MOUNT}]
+    pod_spec["volumes"] = [{"name": "gcs", "csi": {
+        "driver": "gcsfuse.csi.storage.gke.io",
+        "volumeAttributes": {"bucketName": gcs_bucket, "mountOptions": "implicit-dirs"}}}]
   metadata = {
       "name": name,
       "annotations": {
@@ -123,7 +131,8 @@ def jobset(*, name: str, tpu: topology.TpuType, slices: int, image: str, train_a
                   "completions": nodes,
                   "backoffLimit": 0,
                   "completionMode": "Indexed",
-                  "template": {"spec": pod_spec},
+                  "template": ({"metadata": {"annotations": {"gke-gcsfuse/volumes": "true"}},
+                                "spec": pod_spec} if gcs_bucket else {"spec": pod_spec}),
               }},
           }],
       },
@@ -187,6 +196,14 @@ def _accelerator_type(text: str) -> topology.TpuType:
     raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _bucket(text: str) -> str:
+  name = text.removeprefix("gs://").rstrip("/")
+  if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{1,221}[a-z0-9]", name):
+    raise argparse.ArgumentTypeError(f"{text!r} is not a bucket name (lowercase letters, digits, "
+                                     f"-, _ and .), e.g. my-bucket")
+  return name
+
+
 def _count(minimum: int):
   def parse(text: str) -> int:
     if not text.isdigit() or int(text) < minimum:
@@ -218,10 +235,14 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   parser.add_argument("--python", default="python", help="Python in the image (default python)")
   parser.add_argument("--config", required=True,
                       help="experiment file and variant, e.g. experiments/lm.py:size=1b")
-  parser.add_argument("--workdir", required=True,
-                      help="one directory for all pods: gs://BUCKET/run")
+  parser.add_argument("--workdir", required=True, type=workdir.argument,
+                      help="one folder all pods share at the same path, e.g. a gcsfuse mount "
+                      "/mnt/gcs/runs/lm (gs:// URLs are refused)")
   parser.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                       help="environment variable for the training processes (repeatable)")
+  parser.add_argument("--gcs-bucket", type=_bucket, help=f"mount this Cloud Storage bucket "
+                      f"at {GCS_MOUNT} in every pod (GKE's gcsfuse CSI driver), for a workdir "
+                      f"such as {GCS_MOUNT}/runs/lm")
   parser.add_argument("--namespace", help="Kubernetes namespace (default: kubectl's)")
   parser.add_argument("--queue", help="Kueue LocalQueue name (label kueue.x-k8s.io/queue-name)")
   parser.add_argument("--max-restarts", type=_count(0), default=0,
@@ -234,6 +255,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                       help="only print the manifest (the default without --apply)")
   parser.add_argument("--apply", action="store_true", help="pipe the manifest to kubectl apply")
   args = parser.parse_args(argv)
+  if args.gcs_bucket and not args.workdir.startswith(GCS_MOUNT + "/"):
+    fail(f"--gcs-bucket mounts the bucket at {GCS_MOUNT}; put --workdir under it, e.g. "
+         f"--workdir={GCS_MOUNT}/runs/lm (not {args.workdir})")
   if args.apply and args.dry_run:
     fail("--apply and --dry-run contradict each other; give one")
   return args, train_args
@@ -265,7 +289,8 @@ def main(argv: list[str]) -> None:
                     chips_per_node=chips_per_node, namespace=args.namespace,
                     max_restarts=args.max_restarts, queue=args.queue,
                     working_dir=args.working_dir,
-                    termination_grace_seconds=args.termination_grace_seconds)
+                    termination_grace_seconds=args.termination_grace_seconds,
+                    gcs_bucket=args.gcs_bucket)
   pods = nodes * args.slices
   header = (f"# {tpu.name} x {args.slices} slice{'s' * (args.slices > 1)}: {pods} pod"
             f"{'s' * (pods > 1)} ({nodes} per slice, {chips_per_node} chips each, topology "

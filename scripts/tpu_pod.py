@@ -3,13 +3,13 @@
   python scripts/tpu_pod.py create --name=lm --zone=us-west4-a --accelerator-type=v5litepod-16
   python scripts/tpu_pod.py setup  --name=lm --zone=us-west4-a --accelerator-type=v5litepod-16
   python scripts/tpu_pod.py run    --name=lm --zone=us-west4-a --accelerator-type=v5litepod-16 \\
-      --config=experiments/lm.py:size=1b --workdir=gs://BUCKET/lm -- --config.train.steps=1000
+      --config=experiments/lm.py:size=1b --workdir=/mnt/gcs/runs/lm -- --config.train.steps=1000
   python scripts/tpu_pod.py delete --name=lm --zone=us-west4-a
 
 `run` starts the same `python -m toolkit.train` on every host (`--worker=all`); each process
 finds its peers through `jax.distributed.initialize()`'s Cloud TPU detection, so nothing here
-assigns ranks. Give every host one `--workdir` (gs://...): Orbax writes checkpoints from all
-hosts into one directory. Arguments after `--` go to toolkit.train unchanged (shell-quoted).
+assigns ranks. Give every host one `--workdir`, a folder all hosts share (Filestore, or a bucket mounted
+with gcsfuse): Orbax writes checkpoints from all hosts into one directory. Arguments after `--` go to toolkit.train unchanged (shell-quoted).
 
 `--slices=N` (N > 1) or `--queued` makes `create` a queued resource; give the same flags to
 `setup`, `run` and `delete`. A multi-slice resource has nodes NAME-0 ... NAME-{N-1}, one per
@@ -43,7 +43,7 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a plain checkout too, without installing meshkit
 
-from toolkit import topology  # noqa: E402  pylint: disable=wrong-import-position
+from toolkit import topology, workdir  # noqa: E402  pylint: disable=wrong-import-position
 
 REMOTE_DIR = "meshkit"  # on every host, relative to the login directory of the ssh user
 REMOTE_ARCHIVE = "/tmp/meshkit-src.tgz"
@@ -268,7 +268,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   run.add_argument("--config", required=True,
                    help="experiment file and variant, e.g. experiments/lm.py:size=1b")
   run.add_argument("--workdir", required=True,
-                   help="one directory for all hosts: gs://BUCKET/run (or a shared mount)")
+                   type=workdir.argument, help="one folder all hosts share at the same path, e.g. a "
+                   "gcsfuse mount /mnt/gcs/runs/lm (gs:// URLs are refused)")
   run.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                    help="environment variable for the training processes (repeatable)")
   subcommand("delete", "Delete the TPU VMs (or the queued resource and its slices).",
@@ -290,10 +291,9 @@ def main(argv: list[str]) -> None:
   elif args.command == "setup":
     groups, verb = setup_commands(pod, args.repo_url, args.ref), "reaches"
   elif args.command == "run":
-    if pod.hosts > 1 and "://" not in args.workdir:
-      print(f"warning: --workdir={args.workdir} is a separate local path on each of "
-            f"{pod.hosts} hosts; multi-host checkpoints need one shared directory "
-            f"(gs://BUCKET/... or a shared mount)", file=sys.stderr)
+    if pod.hosts > 1:
+      print(f"note: --workdir={args.workdir} must be the same shared folder on all "
+            f"{pod.hosts} hosts ({workdir.SHARED.split(': ', 1)[1]})", file=sys.stderr)
     command = train_command(args.config, args.workdir, args.env, train_args)
     groups, verb = [_on_every_host(pod, command)], "reaches"
   else:

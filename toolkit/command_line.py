@@ -52,6 +52,11 @@ def _override_paths(argv: list[str]) -> list[tuple[str, str]]:
   return found
 
 
+def override_fields(argv: list[str]) -> list[str]:
+  """The dotted fields that --config.FIELD flags in `argv` set."""
+  return [path for _, path in _override_paths(argv)]
+
+
 def _unknown_field(config: ml_collections.ConfigDict, flag: str, path: str) -> str | None:
   """Why `path` names no field of `config` (with the fields it could be), or None."""
   node, parents = config, ["config"]

@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 
 import sharding
 from toolkit import checkpoint, config as config_lib, data, metrics as metrics_lib, state as state_lib
-from toolkit import command_line, topology
+from toolkit import command_line, topology, workdir as workdir_lib
 from toolkit import step as step_lib
 from toolkit.config import ConfigError
 from toolkit.sample import sample_text
@@ -43,8 +43,8 @@ def log(message: str) -> None:
 
 
 def _prepare_workdir(workdir: str) -> None:
-  if not workdir:
-    raise ConfigError("--workdir is empty; give a directory for checkpoints and metrics")
+  if (problem := workdir_lib.problem(workdir)) is not None:
+    raise ConfigError(problem)
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
@@ -319,10 +319,21 @@ def cli() -> None:
       "heartbeat_timeout", distributed.DEFAULT_HEARTBEAT_TIMEOUT_S,
       "Seconds without a heartbeat after which a process counts as dead and the job stops.",
       lower_bound=1)
+  plan_flag = flags.DEFINE_string(
+      "plan", None, "A plan file from `python -m toolkit.compile ... --plan`: its mesh, rules "
+      "preset, remat and micro-batch fields are set on top of --config.")
 
   def main(argv) -> None:
     del argv  # checked in parse_flags
     command_line.quiet_logging()
+    config = config_flag.value
+    if plan_flag.value:
+      from toolkit import plan as plan_lib  # pylint: disable=g-import-not-at-top
+      try:
+        config = plan_lib.apply_plan(config, plan_flag.value,
+                                     command_line.override_fields(sys.argv))
+      except ConfigError as e:
+        command_line.fail(e, command_line.USAGE_EXIT)
     try:
       processes = distributed.initialize(
           coordinator_flag.value, num_processes_flag.value, process_id_flag.value,
@@ -333,7 +344,7 @@ def cli() -> None:
     if processes.process_count > 1:
       print(processes, flush=True)  # every process: one line each, to tell them apart
     try:
-      run(config_flag.value, workdir_flag.value)
+      run(config, workdir_flag.value)
     except (ConfigError, sharding.ShardingError, NonFiniteLoss) as e:
       command_line.fail(e)
     except jax.errors.JaxRuntimeError as e:

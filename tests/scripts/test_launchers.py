@@ -250,13 +250,13 @@ def test_tpu_pod_hosts_and_accelerator_flag(accelerator, hosts):
   assert flag(create, "--accelerator-type") == t.name  # v5e-8 is v5litepod-8 to gcloud
   assert flag(create, "--version") == t.runtime_version
   out = ok(launch("tpu_pod.py", "run", *POD, f"--accelerator-type={accelerator}",
-                  "--config=experiments/lm.py:tiny", "--workdir=gs://bucket/lm", "--dry-run"))
+                  "--config=experiments/lm.py:tiny", "--workdir=/mnt/gcs/runs/lm", "--dry-run"))
   assert f"reaches {hosts} host" in out.splitlines()[0]
 
 
 def test_tpu_pod_run_quotes_arguments_and_environment(tmp_path, recorder):
   out = ok(launch("tpu_pod.py", "run", *POD, "--accelerator-type=v5litepod-16",
-                  "--config=experiments/lm.py:size=1b", "--workdir=gs://bucket/lm",
+                  "--config=experiments/lm.py:size=1b", "--workdir=/mnt/gcs/runs/lm",
                   f"--env=XLA_FLAGS={ENV_VALUE}", "--env=MESHKIT_TEST=a b", "--dry-run",
                   "--", TRICKY, "--config.train.steps=3"))
   [ssh] = commands(out)
@@ -264,7 +264,7 @@ def test_tpu_pod_run_quotes_arguments_and_environment(tmp_path, recorder):
   assert flag(ssh, "--zone") == "us-west4-a"
   remote = flag(ssh, "--command")
   expected = [".venv/bin/python", "-m", "toolkit.train", "--config=experiments/lm.py:size=1b",
-              "--workdir=gs://bucket/lm", TRICKY, "--config.train.steps=3"]
+              "--workdir=/mnt/gcs/runs/lm", TRICKY, "--config.train.steps=3"]
   words = shlex.split(remote)
   assert words[:3] == ["cd", "meshkit", "&&"]
   assert words[3:5] == [f"XLA_FLAGS={ENV_VALUE}", "MESHKIT_TEST=a b"] and words[5:] == expected
@@ -287,7 +287,7 @@ def test_tpu_pod_multislice_queued_resource(tmp_path, recorder):
   assert flag(create, "--runtime-version") == "tpu-ubuntu2204-base" and "--spot" in create
   assert flag(create, "--accelerator-type") == "v4-32"
 
-  run_flags = [*flags, "--config=experiments/lm.py:tiny", "--workdir=gs://b/lm", "--", TRICKY]
+  run_flags = [*flags, "--config=experiments/lm.py:tiny", "--workdir=/mnt/gcs/lm", "--", TRICKY]
   out = ok(launch("tpu_pod.py", "run", *run_flags[:-2], "--dry-run", *run_flags[-2:]))
   lines = shell_lines(out)
   assert lines[0].endswith("reaches 12 hosts") and lines[-1] == "wait"
@@ -311,11 +311,11 @@ def test_tpu_pod_stops_the_other_slices_when_one_fails(tmp_path, recorder):
   recorder("gcloud", tmp_path / "bin")
   started = time.monotonic()
   proc = launch("tpu_pod.py", "run", *POD, "--accelerator-type=v4-16", "--slices=3",
-                "--config=c", "--workdir=gs://b/w", path=str(tmp_path / "bin"),
+                "--config=c", "--workdir=/mnt/gcs/w", path=str(tmp_path / "bin"),
                 env={"RECORDER_FAIL_ON": "lm-1", "RECORDER_SLEEP": "60"})
   assert time.monotonic() - started < 30  # the sleeping slices were terminated
   assert proc.returncode == 1 and len(recorder.calls()) == 3
-  [line] = proc.stderr.splitlines()
+  [line] = [line for line in proc.stderr.splitlines() if not line.startswith("note:")]
   assert line.startswith("error: exit code 3 from: gcloud compute tpus tpu-vm ssh lm-1 ")
 
 
@@ -397,17 +397,17 @@ def test_tpu_pod_without_gcloud_fails_in_one_line():
   assert "gcloud is not on PATH" in line
 
 
-def test_tpu_pod_warns_about_a_local_workdir_on_several_hosts():
+def test_tpu_pod_reminds_that_several_hosts_share_the_workdir():
   proc = launch("tpu_pod.py", "run", *POD, "--accelerator-type=v4-16", "--config=c",
                 "--workdir=runs/lm", "--dry-run")
   ok(proc)
-  assert "warning:" in proc.stderr and "2 hosts" in proc.stderr
+  assert "note:" in proc.stderr and "all 2 hosts" in proc.stderr and "gcsfuse" in proc.stderr
 
 
 # --- scripts/gke_jobset.py --------------------------------------------------------------------
 
 GKE = ["--name=lm", "--image=us-docker.pkg.dev/p/r/meshkit:1", "--config=experiments/lm.py:size=1b",
-       "--workdir=gs://bucket/lm"]
+       "--workdir=/mnt/gcs/runs/lm"]
 
 
 def manifest(out: str) -> dict:
@@ -443,7 +443,7 @@ def test_jobset_shape(accelerator, slices, pods_per_slice, chips_per_pod, grid, 
   assert container["resources"]["limits"] == {"google.com/tpu": chips_per_pod}
   assert container["command"] == ["python", "-m", "toolkit.train",
                                   "--config=experiments/lm.py:size=1b",
-                                  "--workdir=gs://bucket/lm", TRICKY]
+                                  "--workdir=/mnt/gcs/runs/lm", TRICKY]
   env = {e["name"]: e for e in container["env"]}
   assert env["MESHKIT_TEST"]["value"] == "a b"
   if slices > 1:
@@ -570,3 +570,34 @@ def test_slurm_mistakes_are_one_line(args, exit_code, mentions):
   line = one_error_line(launch("slurm_job.py", *args), exit_code)
   for text in mentions:
     assert text in line
+
+
+# --- workdirs ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script,flags", [
+    ("tpu_pod.py", ["run", *POD, "--accelerator-type=v4-16", "--config=c"]),
+    ("gke_jobset.py", [f for f in GKE if not f.startswith("--workdir")]),
+    ("slurm_job.py", ["--nodes=2", "--config=c"]),
+])
+def test_launchers_refuse_object_store_workdirs(script, flags):
+  proc = launch(script, *flags, "--workdir=gs://bucket/lm", "--dry-run")
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  [line] = proc.stderr.splitlines()
+  assert line.startswith("error: argument --workdir: gs:// URLs are not supported")
+  assert "gcsfuse" in line
+
+
+def test_jobset_mounts_a_bucket_for_the_workdir():
+  out = ok(launch("gke_jobset.py", *GKE, "--accelerator-type=v5litepod-16",
+                  "--gcs-bucket=gs://my-bucket", "--dry-run"))
+  template = manifest(out)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+  assert template["metadata"]["annotations"] == {"gke-gcsfuse/volumes": "true"}
+  [volume] = template["spec"]["volumes"]
+  assert volume["csi"]["driver"] == "gcsfuse.csi.storage.gke.io"
+  assert volume["csi"]["volumeAttributes"]["bucketName"] == "my-bucket"
+  [container] = template["spec"]["containers"]
+  assert container["volumeMounts"] == [{"name": "gcs", "mountPath": "/mnt/gcs"}]
+  proc = launch("gke_jobset.py", *[f for f in GKE if not f.startswith("--workdir")],
+                "--accelerator-type=v5litepod-16", "--gcs-bucket=my-bucket",
+                "--workdir=/data/lm", "--dry-run")
+  assert proc.returncode == 2 and "--workdir=/mnt/gcs/runs/lm" in proc.stderr

@@ -23,6 +23,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = "--config=experiments/lm.py:tiny"
+PLAN = pathlib.Path(__file__).parent / "fixtures" / "plan.json"  # as toolkit.compile --plan writes
 RUN_TIMEOUT_S = 300  # a tiny run takes ~15 s on 2 shared cores; generous for loaded machines
 MISTAKE_TIMEOUT_S = 120  # mistakes are caught before compiling: ~2-4 s each
 PROGRESS = re.compile(r"^step (\d+)/(\d+) \| loss [\d.]+ \| lr [\d.e+-]+ \| .*\| [\d,]+ tok/s "
@@ -116,10 +117,14 @@ def test_tiny_run_writes_progress_eval_checkpoints_metrics_tensorboard_and_plot(
   assert (workdir / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_config_override_takes_effect(tmp_path):
+def test_config_override_and_plan_take_effect(tmp_path):
   workdir = tmp_path / "w"
-  result = train(TINY, f"--workdir={workdir}", "--config.train.steps=4")
+  result = train(TINY, f"--workdir={workdir}", "--config.train.steps=4", f"--plan={PLAN}")
   assert result.returncode == 0, result.stdout + result.stderr
+  saved = json.loads((workdir / "config.json").read_text())
+  for field, value in json.loads(PLAN.read_text())["overrides"].items():
+    section, name = field.split(".")
+    assert saved[section][name] == value, field
   assert [int(step) for step, _, _ in PROGRESS.findall(result.stdout)][-1:] == [4]
   assert "step 4/4 |" in result.stdout
   assert checkpoint_steps(workdir) == {4}
@@ -201,6 +206,13 @@ MISTAKES = [
      ["--workdir is required", "e.g. --workdir="]),
     ("workdir_under_a_file", [TINY, "--workdir={W}/metrics.jsonl/sub"],
      ["--workdir=", "metrics.jsonl/sub", "cannot be created", "choose a writable directory"]),
+    ("workdir_object_store", [TINY, "--workdir=gs://bucket/lm"],
+     ["--workdir=gs://bucket/lm", "gs:// URLs are not supported", "gcsfuse"]),
+    ("plan_missing", [TINY, "--workdir={W}", "--plan={W}/nosuch.json"],
+     ["--plan=", "nosuch.json: no such file", "python -m toolkit.compile"]),
+    ("plan_and_flag_set_one_field",
+     [TINY, "--workdir={W}", "--config.mesh.ici=fsdp:8", f"--plan={PLAN}"],
+     ["--config.mesh.ici and --plan=", "both set mesh.ici", "drop the flag"]),
     ("mesh_does_not_divide_devices", [TINY, "--workdir={W}", "--config.mesh.ici=fsdp:3"],
      ["mesh.ici", "fsdp:3", "sizes must multiply to 8"]),
     ("mesh_two_wildcards", [TINY, "--workdir={W}", "--config.mesh.ici=fsdp:-1,tensor:-1"],
