@@ -19,6 +19,10 @@ from sharding import constrain
 
 RematPolicy = Literal["none", "full", "save_dots"]
 
+# Logical axes of one layer's key or value cache; the stacked cache has "layers" in front.
+CACHE_AXES = ("batch", "length", "kv_heads", "head_dim")
+KVCache = dict[str, jax.Array]  # {"k", "v"}: (layers, batch, cache_length, kv_heads, head_dim)
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -38,6 +42,9 @@ class LlamaConfig:
   compute_dtype: str = "float32"
   remat: RematPolicy = "none"
   scan_layers: bool = True
+  # False: every position attends to every other (bidirectional), for encoders such as
+  # models/vit.py that reuse these blocks; the LM is causal.
+  causal: bool = True
 
   @property
   def resolved_head_dim(self) -> int:
@@ -153,7 +160,8 @@ class Attention(nnx.Module):
     self.wo = _param(rngs, (cfg.n_heads, hd, d), ("heads", "head_dim", "embed"), out_std,
                      cfg.param_dtype)
 
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+  def _project(self, x: jax.Array, positions: jax.Array):
+    """Queries, keys and values with rotary positions applied: (batch, length, heads, head_dim)."""
     dtype = x.dtype
     q = jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(dtype))
     k = jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(dtype))
@@ -161,8 +169,34 @@ class Attention(nnx.Module):
     q = constrain(rotary(q, positions, self.cfg.rope_theta), ("batch", "length", "heads", None))
     k = constrain(rotary(k, positions, self.cfg.rope_theta), ("batch", "length", "kv_heads", None))
     v = constrain(v, ("batch", "length", "kv_heads", None))
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    return jnp.einsum("bthd,hde->bte", out, self.wo[...].astype(dtype))
+    return q, k, v
+
+  def _output(self, out: jax.Array) -> jax.Array:
+    return jnp.einsum("bthd,hde->bte", out, self.wo[...].astype(out.dtype))
+
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    q, k, v = self._project(x, positions)
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=self.cfg.causal)
+    return self._output(out)
+
+  def prefill(self, x: jax.Array, positions: jax.Array):
+    """Causal self-attention over a prompt, also returning its keys and values (the rows it
+    writes into the KV cache), each (batch, length, kv_heads, head_dim)."""
+    q, k, v = self._project(x, positions)
+    return self._output(jax.nn.dot_product_attention(q, k, v, is_causal=True)), k, v
+
+  def decode(self, x: jax.Array, positions: jax.Array, cache_k: jax.Array, cache_v: jax.Array):
+    """One new token per row. x (batch, 1, embed) at positions (batch, 1); cache_k/cache_v
+    (batch, cache_length, kv_heads, head_dim). Writes the token's key and value at its
+    position, then attends to cache positions 0..position of its own row."""
+    q, k, v = self._project(x, positions)
+    # A one-hot select rather than a scatter: elementwise, so it shards like the cache does.
+    write = (jnp.arange(cache_k.shape[1])[None, :] == positions)[:, :, None, None]
+    cache_k = constrain(jnp.where(write, k.astype(cache_k.dtype), cache_k), CACHE_AXES)
+    cache_v = constrain(jnp.where(write, v.astype(cache_v.dtype), cache_v), CACHE_AXES)
+    out = jax.nn.dot_product_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
+                                       key_value_seq_lengths=positions[:, 0] + 1)
+    return self._output(out), cache_k, cache_v
 
 
 class MLP(nnx.Module):
@@ -195,11 +229,49 @@ class Block(nnx.Module):
     x = x + self.mlp(self.mlp_norm(x))
     return constrain(x, ("batch", "length", "embed"))
 
+  def prefill(self, x: jax.Array, positions: jax.Array):
+    """As __call__, also returning (keys, values) for the cache."""
+    attended, k, v = self.attention.prefill(self.attention_norm(x), positions)
+    x = x + attended
+    x = x + self.mlp(self.mlp_norm(x))
+    return constrain(x, ("batch", "length", "embed")), (k, v)
+
+  def decode(self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array]):
+    """One token per row against this layer's (keys, values) cache; returns the updated cache."""
+    attended, k, v = self.attention.decode(self.attention_norm(x), positions, *cache)
+    x = x + attended
+    x = x + self.mlp(self.mlp_norm(x))
+    return constrain(x, ("batch", "length", "embed")), (k, v)
+
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+def init_cache(cfg: LlamaConfig, batch: int, cache_length: int) -> KVCache:
+  """An empty KV cache: zeros for `batch` rows of `cache_length` positions, compute dtype."""
+  shape = (cfg.n_layers, batch, cache_length, cfg.n_kv_heads, cfg.resolved_head_dim)
+  return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
+
+
+def run_layers(layers: nnx.Module, cfg, x: jax.Array, positions: jax.Array) -> jax.Array:
+  """Applies stacked blocks (one Block vmapped over "layers") in order: scanned or unrolled
+  per cfg.scan_layers, each under cfg.remat. Shared by the LM and encoders such as the ViT."""
+  graphdef, stacked = nnx.split(layers)
+
+  def body(carry: jax.Array, layer_state) -> tuple[jax.Array, None]:
+    return nnx.merge(graphdef, layer_state)(carry, positions), None
+
+  if cfg.remat != "none":
+    body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat])
+  if cfg.scan_layers:
+    x, _ = jax.lax.scan(body, x, stacked)
+    return x
+  for i in range(cfg.n_layers):
+    x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], stacked))
+  return x
 
 
 class Llama(nnx.Module):
@@ -223,27 +295,67 @@ class Llama(nnx.Module):
     cfg = self.cfg
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
-    x = constrain(x, ("batch", "length", "embed"))
+    x = self._embed(tokens)
     x = self._run_layers(x, positions)
+    return self._logits(x)
+
+  def _embed(self, tokens: jax.Array) -> jax.Array:
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.compute_dtype)
+    return constrain(x, ("batch", "length", "embed"))
+
+  def _logits(self, x: jax.Array) -> jax.Array:
     x = self.final_norm(x)
-    if cfg.tie_embeddings:
+    if self.cfg.tie_embeddings:
       logits = jnp.einsum("bte,ve->btv", x, self.embed[...].astype(x.dtype))
     else:
       logits = x @ self.unembed[...].astype(x.dtype)
     return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
-  def _run_layers(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+  # --- generation with a KV cache ------------------------------------------------------------
+  # The cache is an explicit pytree passed in and returned (not NNX state), so the parameter
+  # tree and the training forward pass are untouched, and jit can donate the cache buffers.
+
+  def prefill(self, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, KVCache]:
+    """Prompts right-padded to a common length: tokens (batch, length), lengths (batch,) >= 1.
+
+    Returns the logits at each row's last prompt token (batch, vocab) float32 and the keys and
+    values of every position (layers, batch, length, kv_heads, head_dim). Rows past a prompt's
+    length hold padding; causality keeps it from touching the real positions, and decoding
+    overwrites it before any query can see it."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    x = self._embed(tokens)
+    x, (k, v) = self._layers_with_cache(x, lambda block, h, _: block.prefill(h, positions), None)
+    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # (batch, 1, embed)
+    return self._logits(last)[:, 0], {"k": k, "v": v}
+
+  def decode(self, tokens: jax.Array, positions: jax.Array,
+             cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """One token per row: tokens and positions (batch,), cache as from `init_cache` with
+    positions 0..position-1 of each row filled. Returns logits (batch, vocab) float32 and the
+    cache with each row's token written at its position."""
+    positions = positions[:, None]
+    x = self._embed(tokens[:, None])
+    x, (k, v) = self._layers_with_cache(
+        x, lambda block, h, layer_cache: block.decode(h, positions, layer_cache),
+        (cache["k"], cache["v"]))
+    return self._logits(x)[:, 0], {"k": k, "v": v}
+
+  def _layers_with_cache(self, x: jax.Array, apply, per_layer):
+    """Runs `apply(block, x, per_layer[i]) -> (x, out_i)` over the layers (scanned or
+    unrolled as in training); returns x and the outputs stacked along a leading layers axis."""
     graphdef, stacked = nnx.split(self.layers)
 
-    def body(carry: jax.Array, layer_state) -> tuple[jax.Array, None]:
-      return nnx.merge(graphdef, layer_state)(carry, positions), None
+    def body(carry, inputs):
+      layer_state, layer_inputs = inputs
+      return apply(nnx.merge(graphdef, layer_state), carry, layer_inputs)
 
-    if self.cfg.remat != "none":
-      body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat])
     if self.cfg.scan_layers:
-      x, _ = jax.lax.scan(body, x, stacked)
-      return x
+      return jax.lax.scan(body, x, (stacked, per_layer))
+    outputs = []
     for i in range(self.cfg.n_layers):
-      x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], stacked))
-    return x
+      x, out = body(x, jax.tree.map(lambda a, i=i: a[i], (stacked, per_layer)))
+      outputs.append(out)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *outputs)
+
+  def _run_layers(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    return run_layers(self.layers, self.cfg, x, positions)

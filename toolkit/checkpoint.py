@@ -14,12 +14,15 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+from models import kind_of
+
 from toolkit.config import ConfigError
 from toolkit.state import State
 
 # Model fields that change parameter shapes or dtypes: a checkpoint restores only if they match.
-SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                "mlp_dim", "tie_embeddings", "param_dtype")
+SHAPE_FIELDS = ("kind", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                "mlp_dim", "tie_embeddings", "param_dtype", "image_size", "patch_size",
+                "channels", "num_classes", "pool")
 
 
 class Checkpoints:
@@ -57,6 +60,21 @@ class Checkpoints:
                         f"({first}); check that it was written by this model and config") from None
     return restored["state"], restored["data"]
 
+  def restore_params(self, step: int, abstract_params) -> Any:
+    """Restores only the parameters of `step` (no optimizer state is read), into the
+    shardings `abstract_params` carry: what inference needs. Use a manager for one kind of
+    restore only (Orbax binds the item's handler on first use)."""
+    target = {"params": abstract_params}
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+          partial_restore=True)))
+    except (ValueError, KeyError, FileNotFoundError) as e:
+      first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise ConfigError(f"checkpoint {self.directory} step {step} could not be restored "
+                        f"({first}); check that it was written by this model and config") from None
+    return restored["state"]["params"]
+
   def wait(self) -> None:
     self.manager.wait_until_finished()
 
@@ -67,10 +85,10 @@ class Checkpoints:
 
 def check_compatible(saved: dict, model_config: Any, where: str) -> None:
   """Refuses a checkpoint whose model differs in a field that changes parameter shapes."""
-  current = dataclasses.asdict(model_config)
-  saved_model = saved.get("model", {})
+  current = {"kind": kind_of(model_config), **dataclasses.asdict(model_config)}
+  saved_model = {"kind": "llama", **saved.get("model", {})}  # saved before kinds existed
   for field in SHAPE_FIELDS:
-    if field in saved_model and saved_model[field] != current[field]:
+    if field in saved_model and field in current and saved_model[field] != current[field]:
       raise ConfigError(
           f"checkpoint {where} holds a different model: model.{field}={saved_model[field]!r} "
           f"there, {current[field]!r} here; use a fresh --workdir or "

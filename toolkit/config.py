@@ -16,7 +16,7 @@ import ml_collections
 from jax.sharding import Mesh
 
 import sharding
-from models import LlamaConfig
+from models import KINDS, LlamaConfig
 
 
 class ConfigError(ValueError):
@@ -26,6 +26,9 @@ class ConfigError(ValueError):
 def defaults() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
+  # The fields of the model family's config dataclass. An optional `kind` picks the family
+  # (models.KINDS) and with it the task: absent or "llama" -> next-token LM, "vit" -> image
+  # classification (experiments/vit.py sets it).
   c.model = ml_collections.ConfigDict(dataclasses.asdict(LlamaConfig.preset("cpu")))
   c.mesh = ml_collections.ConfigDict(dict(ici="data:1,fsdp:-1,tensor:1", dcn=""))
   c.sharding = ml_collections.ConfigDict(dict(
@@ -33,7 +36,16 @@ def defaults() -> ml_collections.ConfigDict:
       max_replicated_fraction=0.05, replicated_action="warn"))
   c.data = ml_collections.ConfigDict(dict(
       source="stdlib_docs", seq_len=128, global_batch_size=32, eval_batches=4,
-      eval_fraction=0.1))
+      eval_fraction=0.1,
+      # Files for source=tokens (a scripts/prepare_text.py folder), npz or image_folder;
+      # eval_path: a separate held-out set (else eval_fraction of path is held out).
+      path="", eval_path="",
+      # Grain worker processes (0: Grain's threads in this process) for token shards and
+      # images; batches prepared ahead in a thread for stdlib_docs/synthetic tokens.
+      worker_count=0, prefetch=2,
+      # Images: training augmentation (pad-and-crop pixels, left-right flips) and the
+      # normalization (x - mean) / std of pixels in [0, 1], train and held-out alike.
+      crop_padding=0, flip=False, mean=0.0, std=1.0))
   c.optimizer = ml_collections.ConfigDict(dict(
       learning_rate=3e-3, min_lr_ratio=0.1, warmup_steps=20, b1=0.9, b2=0.95, eps=1e-8,
       weight_decay=0.1, clip_norm=1.0,
@@ -54,9 +66,13 @@ class RunSpec:
   mesh: Mesh
   rules: sharding.Rules
   batch_ways: int
+  task: str = "lm"  # toolkit.tasks.TASKS key, from model.kind
 
 
-_SOURCES = ("stdlib_docs", "synthetic")
+# task -> data.source values it accepts.
+_SOURCES = {"lm": ("stdlib_docs", "synthetic", "tokens"),
+            "classification": ("digits", "npz", "image_folder", "synthetic")}
+_TASK_OF_KIND = {"llama": "lm", "vit": "classification"}
 
 
 def resolve(config: ml_collections.ConfigDict,
@@ -79,8 +95,23 @@ def resolve(config: ml_collections.ConfigDict,
                       f"[0, 1]")
 
   d = config.data
-  if d.source not in _SOURCES:
-    raise ConfigError(f"data.source={d.source!r} is unknown; choose one of {', '.join(_SOURCES)}")
+  kind = config.model.get("kind", "llama")
+  task = _TASK_OF_KIND[kind]
+  if d.source not in _SOURCES[task]:
+    raise ConfigError(f"data.source={d.source!r} does not fit model.kind={kind!r} "
+                      f"({task}); choose one of {', '.join(_SOURCES[task])}")
+  # Configs saved before these data fields existed (older checkpoints) lack them: defaults.
+  new = {key: d.get(key, value) for key, value in defaults().data.items()}
+  if d.source in ("tokens", "npz", "image_folder") and not new["path"]:
+    raise ConfigError(f"data.source={d.source!r} needs data.path: give "
+                      f"--config.data.path=" + ("a folder written by scripts/prepare_text.py"
+                                                if d.source == "tokens" else "the "
+                                                + d.source.replace("_", " ")))
+  if new["worker_count"] < 0 or new["prefetch"] < 0 or new["crop_padding"] < 0:
+    raise ConfigError(f"data.worker_count={new['worker_count']}, data.prefetch="
+                      f"{new['prefetch']} and data.crop_padding={new['crop_padding']} must be >= 0")
+  if not new["std"] > 0:
+    raise ConfigError(f"data.std={new['std']} must be > 0 (images are (x - mean) / std)")
   if d.source == "stdlib_docs" and model.vocab_size < 256:
     raise ConfigError(f"model.vocab_size={model.vocab_size} is below 256, the byte-level "
                       f"vocabulary of data.source='stdlib_docs'; set model.vocab_size>=256")
@@ -118,16 +149,21 @@ def resolve(config: ml_collections.ConfigDict,
   if t.peak_flops_per_device < 0:
     raise ConfigError(f"train.peak_flops_per_device={t.peak_flops_per_device} must be >= 0; "
                       f"0 looks the peak up from the device kind")
-  return RunSpec(model=model, mesh=mesh, rules=rules, batch_ways=batch_ways)
+  return RunSpec(model=model, mesh=mesh, rules=rules, batch_ways=batch_ways, task=task)
 
 
-def _model(section: ml_collections.ConfigDict) -> LlamaConfig:
-  fields = {f.name for f in dataclasses.fields(LlamaConfig)}
-  unknown = sorted(set(section.keys()) - fields)
+def _model(section: ml_collections.ConfigDict):
+  values = section.to_dict()
+  kind = values.pop("kind", "llama")
+  if kind not in KINDS:
+    raise ConfigError(f"model.kind={kind!r} is unknown; choose one of {', '.join(KINDS)}")
+  cls = KINDS[kind][0]
+  fields = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - fields)
   if unknown:
-    raise ConfigError(f"model.{unknown[0]} is not a LlamaConfig field; known: "
+    raise ConfigError(f"model.{unknown[0]} is not a {cls.__name__} field; known: "
                       f"{', '.join(sorted(fields))}")
-  model = LlamaConfig(**section.to_dict())
+  model = cls(**values)
   try:
     model.validate()
   except ValueError as e:

@@ -102,7 +102,15 @@ class Batches:
 
   def batch(self, step: int) -> Batch:
     """The global batch for training step `step` (0-based)."""
-    return self._place(self._windows(step, self.source.train, salt=0))
+    return self.place(self.host_batch(step))
+
+  def host_batch(self, step: int) -> np.ndarray:
+    """This process's rows of batch `step`, (rows, seq_len + 1) windows on the host; the
+    prefetch thread of `toolkit.pipeline` prepares them ahead of the step."""
+    return self._windows(step, self.source.train, salt=0)
+
+  def place(self, windows: np.ndarray) -> Batch:
+    return self._place(windows)
 
   def eval_batch(self, index: int) -> Batch:
     """Held-out batch `index`; the same windows at every evaluation."""

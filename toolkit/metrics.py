@@ -7,6 +7,7 @@ import math
 import os
 
 import jax
+import numpy as np
 
 
 def format_duration(seconds: float) -> str:
@@ -17,11 +18,16 @@ def format_duration(seconds: float) -> str:
 
 
 def progress_line(step: int, total: int, metrics: dict[str, float], step_seconds: float,
-                  tokens_per_step: int, flops_per_step: float, peak_flops_total: float) -> str:
+                  tokens_per_step: int, flops_per_step: float, peak_flops_total: float,
+                  unit: str = "tok") -> str:
+  """`tokens_per_step` counts `unit`s (tokens, or images for a classifier); a
+  `data_wait_fraction` in `metrics` is shown as the share of step time spent waiting for data."""
   tokens_per_second = tokens_per_step / step_seconds if step_seconds > 0 else float("nan")
   parts = [f"step {step}/{total}", f"loss {metrics['loss']:.4f}",
            f"lr {metrics['learning_rate']:.2e}", f"grad_norm {metrics['grad_norm']:.3f}",
-           f"step {step_seconds * 1000:.0f} ms", f"{tokens_per_second:,.0f} tok/s"]
+           f"step {step_seconds * 1000:.0f} ms", f"{tokens_per_second:,.0f} {unit}/s"]
+  if "data_wait_fraction" in metrics:
+    parts.append(f"data wait {metrics['data_wait_fraction']:.1%}")
   if peak_flops_total > 0:
     parts.append(f"MFU {flops_per_step / step_seconds / peak_flops_total:.1%}")
   parts.append(f"ETA {format_duration((total - step) * step_seconds)}")
@@ -78,6 +84,31 @@ def plot_loss_curve(metrics_path: str, png_path: str) -> str | None:
   ax.set_ylabel("loss (bits per token)")
   ax.grid(alpha=0.3)
   ax.legend()
+  fig.tight_layout()
+  fig.savefig(png_path)
+  plt.close(fig)
+  return png_path
+
+
+def plot_confusion_matrix(matrix, png_path: str, title: str) -> str:
+  """Counts per (true class, predicted class) as a PNG heat map with the counts written in."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  classes = len(matrix)
+  size = min(4 + 0.45 * classes, 14)
+  fig, ax = plt.subplots(figsize=(size, size), dpi=110)
+  ax.imshow(matrix, cmap="Blues")
+  if classes <= 30:
+    for (true, predicted), count in np.ndenumerate(matrix):
+      if count:
+        ax.text(predicted, true, str(count), ha="center", va="center", fontsize=8,
+                color="white" if count > matrix.max() / 2 else "black")
+    ax.set_xticks(range(classes))
+    ax.set_yticks(range(classes))
+  ax.set_xlabel("predicted class")
+  ax.set_ylabel("true class")
+  ax.set_title(title)
   fig.tight_layout()
   fig.savefig(png_path)
   plt.close(fig)

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
-from models import Llama, LlamaConfig
+from models import Llama, LlamaConfig, build_model
 
 State = dict[str, Any]
 
@@ -32,7 +32,8 @@ class StateLayout:
 
 
 def _model_fn(model_cfg: LlamaConfig, key: jax.Array) -> Llama:
-  return Llama(model_cfg, rngs=nnx.Rngs(params=key))
+  """The model of `model_cfg`'s family (models.KINDS): Llama, ViT, ..."""
+  return build_model(model_cfg, nnx.Rngs(params=key))
 
 
 def param_entries(model_cfg: LlamaConfig) -> tuple[nnx.GraphDef, list[tuple[str, tuple, Any, tuple]]]:

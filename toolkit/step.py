@@ -32,11 +32,17 @@ def learning_rate_schedule(opt_config, total_steps: int) -> optax.Schedule:
       end_value=opt_config.learning_rate * opt_config.min_lr_ratio)
 
 
-def make_optimizer(opt_config, total_steps: int) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW; weight decay on matrices only (not norm scales)."""
+def make_optimizer(opt_config, total_steps: int,
+                   schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW; weight decay on matrices only (not norm scales).
+
+  `schedule` replaces `learning_rate_schedule(opt_config, total_steps)`; population sweeps
+  pass one computed from per-trial arrays (toolkit.population)."""
+  if schedule is None:
+    schedule = learning_rate_schedule(opt_config, total_steps)
   return optax.chain(
       optax.clip_by_global_norm(opt_config.clip_norm),
-      optax.adamw(learning_rate_schedule(opt_config, total_steps), b1=opt_config.b1,
+      optax.adamw(schedule, b1=opt_config.b1,
                   b2=opt_config.b2, eps=opt_config.eps, weight_decay=opt_config.weight_decay,
                   mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
 
@@ -91,14 +97,19 @@ def step_metrics(loss: jax.Array, grads, params, learning_rate: jax.Array) -> Me
 class TrainStep:
   """The step function plus a count of how often Python traced it (tests assert it is 1)."""
   fn: Callable[[State, Batch], tuple[State, Metrics]]
-  eval_fn: Callable[[State, Batch], jax.Array]
+  eval_fn: Callable[[State, Batch], jax.Array | Metrics]
   traces: int = 0
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, microbatches: int, rules: sharding.Rules,
-                    mesh: Mesh) -> TrainStep:
-  loss_fn = lambda params, batch: cross_entropy_loss(graphdef, params, batch)
+                    mesh: Mesh, loss: Callable | None = None,
+                    evaluate: Callable | None = None) -> TrainStep:
+  """`loss(graphdef, params, batch)` -> mean loss (default: next-token cross-entropy) and
+  `evaluate(graphdef, params, batch)` -> eval output (default: that loss); see toolkit.tasks."""
+  task_loss = loss or cross_entropy_loss
+  task_eval = evaluate or cross_entropy_loss
+  loss_fn = lambda params, batch: task_loss(graphdef, params, batch)
 
   def train_step(state: State, batch: Batch) -> tuple[State, Metrics]:
     step.traces += 1
@@ -107,9 +118,9 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     new_state = apply_grads(optimizer, state, grads)
     return new_state, step_metrics(loss, grads, state["params"], schedule(state["step"]))
 
-  def eval_step(state: State, batch: Batch) -> jax.Array:
+  def eval_step(state: State, batch: Batch):
     with sharding.activation_rules(rules, mesh):
-      return loss_fn(state["params"], batch)
+      return task_eval(graphdef, state["params"], batch)
 
   step = TrainStep(fn=train_step, eval_fn=eval_step)
   return step

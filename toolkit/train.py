@@ -24,6 +24,7 @@ from jax.experimental import multihost_utils
 import sharding
 from toolkit import checkpoint, config as config_lib, data, metrics as metrics_lib, state as state_lib
 from toolkit import command_line, topology, workdir as workdir_lib
+from toolkit import pipeline, tasks
 from toolkit import step as step_lib
 from toolkit.config import ConfigError
 from toolkit.sample import sample_text
@@ -104,6 +105,12 @@ class RunResult:
   stopped_early: bool
   step_traces: int = 0  # how often Python traced the train step (1: compiled once)
   sample: str | None = None
+  eval_metrics: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+  confusion: np.ndarray | None = None  # classification: the last eval's confusion matrix
+  # Seconds the loop spent waiting for the next batch, and in the steps' intervals in all
+  # (excluding eval and checkpoints): their ratio is the data-wait fraction of step time.
+  data_wait_seconds: float = 0.0
+  step_seconds: float = 0.0
 
 
 def _peak_flops(config) -> float:
@@ -117,38 +124,41 @@ class Setup:
   """The pieces of a run that do not depend on the workdir; the loop, the benchmark, tests
   and ahead-of-time compiles all start from here."""
   spec: config_lib.RunSpec
-  batches: data.Batches
+  batches: data.Batches | pipeline.GrainBatches
   optimizer: optax.GradientTransformation
   layout: state_lib.StateLayout
   step: step_lib.TrainStep
+  task: tasks.Task = tasks.LM
 
 
 def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
   """Validates `config` and derives mesh, data, optimizer, abstract state and the step."""
   spec = config_lib.resolve(config, devices)
   mesh, rules, model_cfg = spec.mesh, spec.rules, spec.model
-  batch_sharding = jax.sharding.NamedSharding(mesh, rules.activation_spec(("batch", None), mesh))
-  batches = data.Batches(data.TokenSource.from_config(config.data, model_cfg.vocab_size),
-                         config.seed, config.data.seq_len, config.data.global_batch_size,
-                         config.data.eval_batches, batch_sharding)
+  batches = pipeline.from_config(config, spec)
+  task = tasks.TASKS[spec.task]
   schedule_steps = config.optimizer.schedule_steps or config.train.steps
   optimizer = step_lib.make_optimizer(config.optimizer, schedule_steps)
   schedule = step_lib.learning_rate_schedule(config.optimizer, schedule_steps)
   layout = state_lib.layout(model_cfg, optimizer, rules, mesh)
   step = step_lib.make_train_step(layout.graphdef, optimizer, schedule,
-                                  config.train.microbatches, rules, mesh)
-  return Setup(spec=spec, batches=batches, optimizer=optimizer, layout=layout, step=step)
+                                  config.train.microbatches, rules, mesh, loss=task.loss,
+                                  evaluate=task.evaluate)
+  return Setup(spec=spec, batches=batches, optimizer=optimizer, layout=layout, step=step,
+               task=task)
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
-  """Trains per `config`, checkpointing into `workdir`; resumes if the workdir has a checkpoint."""
+def run(config: ml_collections.ConfigDict, workdir: str, devices=None) -> RunResult:
+  """Trains per `config`, checkpointing into `workdir`; resumes if the workdir has a checkpoint.
+
+  `devices` (default: all) lets a sweep run several trials at once on disjoint devices."""
   # --- setup: validate everything before touching the workdir --------------------------------
-  setup = build(config)
+  setup = build(config, devices)
   mesh, rules, model_cfg = setup.spec.mesh, setup.spec.rules, setup.spec.model
   batches, layout, optimizer = setup.batches, setup.layout, setup.optimizer
   _prepare_workdir(workdir)
   total_steps = config.train.steps
-  log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} in "
+  log(f"devices: {mesh.size} x {mesh.devices.flat[0].device_kind} in "
       f"{jax.process_count()} process(es); mesh {dict(mesh.shape)}; rules {rules.name}")
   log(layout.report.format())
   warning = layout.report.check_replicated(config.sharding.max_replicated_fraction,
@@ -163,10 +173,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
   if source is not None:
     checkpoint.check_compatible(source.saved_config(restore_step), model_cfg,
                                 f"{source.directory} step {restore_step}")
-    state, _ = source.restore(restore_step, layout.abstract)
+    state, data_position = source.restore(restore_step, layout.abstract)
     log(f"restored step {restore_step} from {source.directory}")
   else:
     state = state_lib.create(model_cfg, optimizer, layout, config.seed)
+    data_position = None
   start_step = int(jax.device_get(state["step"]))
   if start_step > total_steps:
     raise ConfigError(f"the checkpoint is at step {start_step}, past train.steps={total_steps}; "
@@ -184,24 +195,40 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
       f"; per device: {memory.argument_size_in_bytes / 2**20:.1f} MiB arguments, "
       f"{memory.temp_size_in_bytes / 2**20:.1f} MiB temporaries" if memory else ""))
 
-  tokens_per_step = config.data.global_batch_size * config.data.seq_len
-  flops_per_step = model_cfg.flops_per_token(config.data.seq_len) * tokens_per_step
-  peak_total = _peak_flops(config) * jax.device_count()
+  if setup.task.name == "lm":
+    tokens_per_step = config.data.global_batch_size * config.data.seq_len
+    flops_per_step = model_cfg.flops_per_token(config.data.seq_len) * tokens_per_step
+  else:  # throughput in examples
+    tokens_per_step = config.data.global_batch_size
+    flops_per_step = model_cfg.flops_per_example() * tokens_per_step
+  peak_total = _peak_flops(config) * mesh.size
   writer = metrics_lib.MetricWriter(workdir)
   result = RunResult(final_step=start_step, train_losses={}, eval_losses={}, stopped_early=False)
 
   def evaluate(at_step: int) -> None:
-    losses = [eval_step(state, batches.eval_batch(i)) for i in range(config.data.eval_batches)]
-    loss = float(np.mean(jax.device_get(losses)))
-    result.eval_losses[at_step] = loss
-    writer.write(at_step, "eval", {"loss": loss, "bits_per_byte": loss / math.log(2)})
-    log(f"eval at step {at_step}: loss {loss:.4f} ({loss / math.log(2):.3f} bits per byte)")
+    outputs = [eval_step(state, batches.eval_batch(i)) for i in range(batches.eval_batches)]
+    summary = setup.task.summarize(jax.device_get(outputs))
+    scalars = {k: v for k, v in summary.items() if isinstance(v, float)}
+    loss = result.eval_losses[at_step] = scalars["loss"]
+    result.eval_metrics[at_step] = scalars
+    writer.write(at_step, "eval", scalars)
+    if setup.task.name == "lm":
+      log(f"eval at step {at_step}: loss {loss:.4f} ({loss / math.log(2):.3f} bits per byte)")
+      return
+    result.confusion = tasks.confusion_matrix(summary["labels"], summary["predictions"],
+                                              model_cfg.num_classes)
+    log(f"eval at step {at_step}: loss {loss:.4f}, accuracy {scalars['accuracy']:.2%} "
+        f"({int(scalars['examples'])} held-out examples)")
 
-  def flush(pending: list, started: float) -> None:
+  def flush(pending: list, started: float, data_wait: float) -> None:
     """Fetches pending step metrics, stops on a non-finite loss, logs the latest; the steps
-    took from `started` until their metrics arrived (not only until they were dispatched)."""
+    took from `started` until their metrics arrived (not only until they were dispatched),
+    `data_wait` seconds of which the loop waited for batches."""
     fetched = jax.device_get([m for _, m in pending])
     seconds = time.perf_counter() - started
+    result.data_wait_seconds += data_wait
+    result.step_seconds += seconds
+    fetched[-1]["data_wait_fraction"] = data_wait / seconds if seconds > 0 else 0.0
     for (at_step, _), values in zip(pending, fetched):
       values = {k: float(v) for k, v in values.items()}
       # A non-finite gradient poisons the parameters one step before the loss shows it.
@@ -213,12 +240,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
       result.train_losses[at_step] = values["loss"]
       writer.write(at_step, "train", values)
     log(metrics_lib.progress_line(pending[-1][0], total_steps, values, seconds / len(pending),
-                                  tokens_per_step, flops_per_step, peak_total))
+                                  tokens_per_step, flops_per_step, peak_total,
+                                  unit=setup.task.unit))
     pending.clear()
 
   def save(at_step: int) -> None:
+    # The data position after the batch of step at_step - 1: the Grain iterator state, if any.
+    position = batch_iter.position()
+    assert position["step"] == at_step, (position, at_step)
     checkpoints.save(at_step, state, config_dict,
-                     {"step": at_step, "seed": config.seed, "source": config.data.source})
+                     {**position, "seed": config.seed, "source": config.data.source})
 
   # --- loop ----------------------------------------------------------------------------------
   if start_step == 0:
@@ -227,14 +258,29 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
     log(f"the checkpoint is at train.steps={total_steps} already: nothing to train; raise "
         f"--config.train.steps to continue")
   pending: list = []
+  # Batches are prepared ahead (Grain's threads or workers, or a prefetch thread) while steps
+  # run; the iterator places each on the devices and resumes a checkpoint's data position.
+  prefetch = config.data.get("prefetch", 2)  # absent from configs saved before it existed
+  batch_iter = (pipeline.iterator(batches, start_step, data_position, prefetch)
+                if start_step < total_steps else None)
   interval_start = time.perf_counter()
+  interval_wait = 0.0
+  one_step_in_flight = mesh.devices.flat[0].platform == "cpu"
   guard = "disallow" if config.train.transfer_guard else "allow"
   try:
     with _StopSignal() as stop, jax.transfer_guard(guard):
       for current in range(start_step, total_steps):
+        waiting = time.perf_counter()
+        batch = next(batch_iter)
+        interval_wait += time.perf_counter() - waiting
+        if one_step_in_flight and pending:
+          # On XLA's CPU backend, steps queued behind each other can deadlock: all but one
+          # simulated device wait in the next step's all-reduce (measured in the ViT run:
+          # "7 of 8 arrived" aborts). The next batch is ready, so only dispatch waits.
+          jax.block_until_ready(pending[-1][1])
         # The guard turns an implicit host->device copy (say a NumPy array reaching the step)
         # into an error; placing the batch is an explicit transfer and passes.
-        state, step_metrics = train_step(state, batches.batch(current))
+        state, step_metrics = train_step(state, batch)
         done = current + 1
         pending.append((done, step_metrics))
         at_end = done == total_steps
@@ -243,25 +289,29 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
         stopping = stop.should_stop(done)
         save_now = done % config.train.checkpoint_every == 0 or at_end or stopping
         if done % config.train.log_every == 0 or save_now:
-          flush(pending, interval_start)
-          interval_start = time.perf_counter()
+          flush(pending, interval_start, interval_wait)
+          interval_start, interval_wait = time.perf_counter(), 0.0
         if done % config.train.eval_every == 0 or at_end:
           evaluate(done)
         if save_now:
           save(done)
         if done % config.train.eval_every == 0 or save_now:
           interval_start = time.perf_counter()  # step time excludes eval and checkpoint work
+          interval_wait = 0.0
         result.final_step = done
         if stopping:
           result.stopped_early = True
           log(f"stopped at step {done} on request; checkpoint saved")
           break
   finally:
+    if batch_iter is not None:
+      batch_iter.close()
     checkpoints.close()
     writer.close()
   result.step_traces = setup.step.traces
   params = state["params"]
-  want_sample = config.train.sample_tokens > 0 and not result.stopped_early
+  want_sample = (setup.task.name == "lm" and config.train.sample_tokens > 0
+                 and not result.stopped_early)
   if want_sample and jax.process_count() > 1:
     # Process 0 samples on its own, from parameters that other hosts hold parts of. Gathering
     # them is a collective: every process takes part, before process 0 goes on alone.
@@ -275,6 +325,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> RunResult:
     plot = metrics_lib.plot_loss_curve(writer.path, os.path.join(workdir, "loss.png"))
     if plot:
       log(f"loss curve: {plot}")
+    if result.confusion is not None:
+      last = result.eval_metrics[max(result.eval_metrics)]
+      path = metrics_lib.plot_confusion_matrix(
+          result.confusion, os.path.join(workdir, "confusion.png"),
+          f"held-out, step {max(result.eval_metrics)}: accuracy {last['accuracy']:.2%}")
+      log(f"confusion matrix: {path}")
     if want_sample:
       result.sample = sample_text(layout.graphdef, params, config.train.sample_prompt,
                                   config.train.sample_tokens, config.data.seq_len, seed=config.seed)

@@ -229,6 +229,7 @@ def test_lint_errors_name_the_fix(overrides, expected):
 
 
 @pytest.mark.parametrize("args, expected", [
+    (["--config=experiments/vit.py:tiny", "--topology=cpu:8"], "reports on the Llama LM only"),
     (["--topology=v5p-7"], "unknown TPU accelerator type 'v5p-7'"),
     (["--topology=v5p-64", "--slices=0"], "--slices=0"),
     (["--topology=cpu:x"], "write cpu:N"),

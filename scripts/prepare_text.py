@@ -1,0 +1,134 @@
+"""Text files or JSONL -> pre-tokenized shard files for `data.source=tokens` (toolkit.shards).
+
+  python scripts/prepare_text.py --out=data/mytext book1.txt book2.txt notes.jsonl
+  python scripts/prepare_text.py --out=data/hf --tokenizer=path/to/tokenizer.json corpus.jsonl
+
+Every `.txt` file (or any file not ending in .jsonl) is one document; every line of a `.jsonl`
+file is one document, its text in the field `--text_key` ("text"). A document is tokenized
+(byte-level by default: ids 0-255 are UTF-8 bytes, 256 ends a document; or any Hugging Face
+tokenizer.json through the `tokenizers` library) and followed by the end-of-document token.
+Documents go to the `val` split with probability `--val_fraction` (by a hash of their index,
+so the split does not depend on shard sizes), else to `train`. Output: `train_00000.bin`, ...
+(flat little-endian uint16, or uint32 for vocabularies above 65,536) and `meta.json`.
+
+Then train on them:
+
+  python -m toolkit.train --config=experiments/lm.py:cpu,data=tokens \\
+    --config.data.path=data/mytext --config.model.vocab_size=384 --workdir=runs/mytext
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import zlib
+
+# Run as a file (python scripts/prepare_text.py): the repository root holds `toolkit`.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from toolkit import shards  # noqa: E402  pylint: disable=wrong-import-position
+from toolkit.config import ConfigError  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def read_documents(paths: list[str], text_key: str):
+  """Yields each document's text; errors name the file (and line) and the fix."""
+  for path in paths:
+    if not os.path.isfile(path):
+      raise ConfigError(f"input {path} does not exist; give text or .jsonl files")
+    if not path.endswith(".jsonl"):
+      try:
+        with open(path, encoding="utf-8", newline="") as f:  # keep \r\n as written
+          yield f.read()
+      except UnicodeDecodeError as e:
+        raise ConfigError(f"input {path} is not UTF-8 text ({e.reason} at byte {e.start})"
+                          ) from None
+      continue
+    with open(path, encoding="utf-8") as f:
+      for number, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise ConfigError(f"{path} line {number} is not JSON ({e.msg}); one JSON object per "
+                            f"line") from None
+        if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+          raise ConfigError(f"{path} line {number} has no string field {text_key!r}; set "
+                            f"--text_key to the field holding the text")
+        yield record[text_key]
+
+
+def is_validation(index: int, val_fraction: float) -> bool:
+  return zlib.crc32(index.to_bytes(8, "little")) / 2**32 < val_fraction
+
+
+def prepare(paths: list[str], out: str, tokenizer: shards.Tokenizer, val_fraction: float,
+            shard_tokens: int, text_key: str = "text", log=print) -> dict:
+  """Writes the shards and meta.json into `out`; returns meta.json's contents."""
+  if not paths:
+    raise ConfigError("no input files; give text or .jsonl files after the flags")
+  os.makedirs(out, exist_ok=True)
+  documents = list(read_documents(paths, text_key))
+  if not documents:
+    raise ConfigError(f"the inputs ({', '.join(paths)}) hold no documents")
+  started, seen = time.perf_counter(), {"docs": 0, "tokens": 0}
+
+  def progress(_, tokens: int) -> None:
+    seen["docs"] += 1
+    seen["tokens"] += tokens
+    if seen["docs"] % 1000 == 0 or seen["docs"] == len(documents):
+      seconds = time.perf_counter() - started
+      log(f"{seen['docs']}/{len(documents)} documents, {seen['tokens']:,} tokens, "
+          f"{seen['tokens'] / max(seconds, 1e-9):,.0f} tokens/s")
+
+  val = [d for i, d in enumerate(documents) if is_validation(i, val_fraction)]
+  train = [d for i, d in enumerate(documents) if not is_validation(i, val_fraction)]
+  if val_fraction > 0 and not val and len(train) > 1:
+    val, train = train[-1:], train[:-1]  # a tiny corpus still gets a held-out document
+  splits = {"train": shards.write_split(out, "train", train, tokenizer, shard_tokens, progress),
+            "val": shards.write_split(out, "val", val, tokenizer, shard_tokens, progress)}
+  shards.write_meta(out, tokenizer, splits)
+  meta = shards.read_meta(out, "--out")
+  counts = {name: sum(e["tokens"] for e in entries) for name, entries in splits.items()}
+  log(f"wrote {out}: train {counts['train']:,} tokens in {len(splits['train'])} shard(s), "
+      f"val {counts['val']:,} tokens; vocabulary {tokenizer.vocab_size}, end-of-document id "
+      f"{tokenizer.eot_id}, {tokenizer.dtype.name}")
+  return meta
+
+
+def main() -> None:
+  from absl import app, flags  # pylint: disable=g-import-not-at-top
+  from toolkit import command_line  # pylint: disable=g-import-not-at-top
+  out = flags.DEFINE_string("out", None, "Required. Output folder for the shards and meta.json.")
+  tokenizer = flags.DEFINE_string("tokenizer", "bytes", "'bytes' (built in) or the path of a "
+                                  "Hugging Face tokenizer.json.")
+  eot_token = flags.DEFINE_string("eot_token", "", "The tokenizer's end-of-document token "
+                                  "(default: the first of <|endoftext|>, </s>, <eos>, ...).")
+  val_fraction = flags.DEFINE_float("val_fraction", 0.01, "Share of documents held out.",
+                                    lower_bound=0.0, upper_bound=0.5)
+  shard_tokens = flags.DEFINE_integer("shard_tokens", 100_000_000, "Tokens per shard file.",
+                                      lower_bound=1)
+  text_key = flags.DEFINE_string("text_key", "text", "The text field of .jsonl records.")
+
+  inputs: list[str] = []
+
+  def parse(argv: list[str]) -> list[str]:
+    # Input files are positional (shell globs work); the flags are parsed the usual way.
+    inputs.extend(a for a in argv[1:] if not a.startswith("-"))
+    return command_line.parse_flags([argv[0]] + [a for a in argv[1:] if a.startswith("-")],
+                                    required={"out": "an output folder, e.g. --out=data/text"})
+
+  def run(argv) -> None:
+    del argv
+    try:
+      prepare(inputs, out.value, shards.Tokenizer(tokenizer.value, eot_token.value),
+              val_fraction.value, shard_tokens.value, text_key.value)
+    except ConfigError as e:
+      command_line.fail(e)
+
+  app.run(run, flags_parser=parse)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,83 @@
+"""scripts/prepare_text.py: text and JSONL -> shards that decode back to the documents."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from scripts import prepare_text
+from toolkit import shards
+from toolkit.config import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENIZER = os.path.join(REPO, "tests", "fixtures", "tokenizer.json")
+DOCUMENTS = ["Hello wörld — ünïcode 😀\n\ttabs and\r\nCRLF", "a", "def f(x):\n    return x\n",
+             "Ω" * 300, "the last one."]
+
+
+def _inputs(tmp_path):
+  (tmp_path / "one.txt").write_text(DOCUMENTS[0], encoding="utf-8", newline="")
+  with open(tmp_path / "rest.jsonl", "w", encoding="utf-8") as f:
+    for text in DOCUMENTS[1:]:
+      f.write(json.dumps({"text": text, "id": 1}) + "\n\n")
+  return [str(tmp_path / "one.txt"), str(tmp_path / "rest.jsonl")]
+
+
+def _documents(directory: str, tokenizer: shards.Tokenizer) -> list[str]:
+  """Every document of both splits, decoded, split at the end-of-document id."""
+  texts = []
+  for split in ("train", "val"):
+    stream = shards.TokenStream(directory, split)
+    tokens = stream.read(0, len(stream))
+    assert tokens[-1] == tokenizer.eot_id
+    ends = np.flatnonzero(tokens == tokenizer.eot_id)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    texts += [tokenizer.decode(tokens[a:b]) for a, b in zip(starts, ends)]
+  return texts
+
+
+@pytest.mark.parametrize("tokenizer_path", ["bytes", TOKENIZER])
+def test_round_trip(tmp_path, tokenizer_path):
+  tokenizer = shards.Tokenizer(tokenizer_path)
+  out = str(tmp_path / "out")
+  meta = prepare_text.prepare(_inputs(tmp_path), out, tokenizer, val_fraction=0.3,
+                              shard_tokens=64, log=lambda _: None)
+  assert len(meta["splits"]["train"]) > 2  # small shards: documents span files
+  assert meta["dtype"] == "uint16"
+  assert sorted(_documents(out, tokenizer)) == sorted(DOCUMENTS)
+  if tokenizer_path == "bytes":
+    assert (meta["vocab_size"], meta["eot_id"]) == (257, 256)
+    assert shards.Tokenizer().decode(shards.Tokenizer().encode(DOCUMENTS[0])) == DOCUMENTS[0]
+  else:  # the shipped fixture: a 400-token byte-level BPE with <|endoftext|> = 0
+    assert (meta["vocab_size"], meta["eot_id"]) == (400, 0)
+    assert len(tokenizer.encode(DOCUMENTS[2])) < len(DOCUMENTS[2].encode())
+
+
+def test_bad_inputs(tmp_path):
+  tokenizer = shards.Tokenizer()
+  (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"txt": "no text"}\n')
+  with pytest.raises(ConfigError, match=r"bad.jsonl line 2 has no string field 'text'"):
+    prepare_text.prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "o"), tokenizer, 0.1, 100)
+  (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+  with pytest.raises(ConfigError, match=r"latin1.txt is not UTF-8"):
+    prepare_text.prepare([str(tmp_path / "latin1.txt")], str(tmp_path / "o"), tokenizer, 0.1, 100)
+  with pytest.raises(ConfigError, match=r"is not a valid tokenizer.json"):
+    shards.Tokenizer(str(tmp_path / "latin1.txt"))
+  with pytest.raises(ConfigError, match=r"no end-of-document token <eot>"):
+    shards.Tokenizer(TOKENIZER, eot_token="<eot>")
+
+
+def test_command_line(tmp_path):
+  inputs = _inputs(tmp_path)
+  run = lambda *args: subprocess.run([sys.executable, "scripts/prepare_text.py", *args], cwd=REPO,
+                                     capture_output=True, text=True, timeout=120)
+  proc = run(f"--out={tmp_path / 'out'}", "--val_fraction=0.2", *inputs)
+  assert proc.returncode == 0, proc.stderr
+  assert "5/5 documents" in proc.stdout and "wrote" in proc.stdout
+  assert os.path.isfile(tmp_path / "out" / "meta.json")
+  proc = run(f"--out={tmp_path / 'o2'}", str(tmp_path / "missing.txt"))
+  assert proc.returncode == 1
+  assert proc.stderr.strip() == f"error: input {tmp_path / 'missing.txt'} does not exist; give " \
+                                "text or .jsonl files"
