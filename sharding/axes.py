@@ -13,4 +13,5 @@ LOGICAL_AXES: dict[str, str] = {
     "norm": "the scale vector of a normalization layer",
     "classes": "output classes of a classifier head",
     "patch": "flattened image-patch features",
+    "trial": "the trials of a population sweep, trained together in one program",
 }

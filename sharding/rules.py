@@ -23,10 +23,13 @@ Table = Mapping[str, tuple[str, ...]]
 
 _BATCH = ("data", "fsdp")
 _REPLICATED: Table = {name: () for name in LOGICAL_AXES}
+# Every preset splits a population's trials over the `population` mesh axis, parameters and
+# activations alike; meshes without that axis (every single run) drop it.
+_TRIAL = {"trial": ("population",)}
 
 
 def _table(**entries: tuple[str, ...]) -> Table:
-  return {**_REPLICATED, **entries}
+  return {**_REPLICATED, **_TRIAL, **entries}
 
 
 # preset -> (parameter table, activation table)

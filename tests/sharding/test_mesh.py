@@ -124,7 +124,8 @@ def test_dcn_wildcard_on_devices_without_slice_ids_is_one_slice():
 
 def test_unknown_axis():
   with pytest.raises(ShardingError,
-                     match=r"mesh\.ici: unknown mesh axis 'model'; use one of data, stage, fsdp, "
+                     match=r"mesh\.ici: unknown mesh axis 'model'; use one of population, data, "
+                           r"stage, fsdp, "
                            r"sequence, expert, tensor"):
     make_mesh([("model", -1)])
 

@@ -151,7 +151,8 @@ def test_unknown_logical_axis_in_resolution(mesh):
 def test_unknown_mesh_axis_in_override():
   with pytest.raises(ShardingError,
                      match=r"sharding\.param_overrides: mlp='model' names unknown mesh axis "
-                           r"'model'; use one of data, stage, fsdp, sequence, expert, tensor or "
+                           r"'model'; use one of population, data, stage, fsdp, sequence, expert, "
+                           r"tensor or "
                            r"'none'"):
     Rules.preset("tp", param_overrides="mlp=model")
 

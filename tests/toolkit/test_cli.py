@@ -218,7 +218,7 @@ MISTAKES = [
     ("mesh_two_wildcards", [TINY, "--workdir={W}", "--config.mesh.ici=fsdp:-1,tensor:-1"],
      ["mesh.ici", "both -1", "at most one size per tier may be -1"]),
     ("mesh_axis_unknown", [TINY, "--workdir={W}", "--config.mesh.ici=fsdp:4,bogus:2"],
-     ["mesh.ici", "unknown mesh axis 'bogus'", "use one of data,"]),
+     ["mesh.ici", "unknown mesh axis 'bogus'", "use one of population, data,"]),
     # The tiny mesh (fsdp 4 x tensor 2) splits the batch 4 ways, so 12 would divide; fsdp:8 not.
     ("batch_not_divisible_by_mesh",
      [TINY, "--workdir={W}", "--config.mesh.ici=fsdp:8", "--config.data.global_batch_size=12"],
