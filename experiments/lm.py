@@ -13,7 +13,7 @@ Variants after the colon, comma separated:
   tiny         the unit-test size: 2 layers, d_model 32, 10 steps
   size=NAME    model preset: tiny, cpu, 125m, 1b, 7b, 70b; the real sizes (125m and up) also
                set pod-scale batches (0.5 M to 4 M tokens per step, sequences of 1024 to
-               4096) and take the chip's peak FLOP/s from toolkit/topology.py
+               4096) and take the chip's peak FLOP/s from toolkit/accelerators.py
   rules=NAME   sharding preset: dp, fsdp, tp, fsdp_tp
   data=NAME    stdlib_docs, synthetic, or tokens (shards from scripts/prepare_text.py, read
                through Grain: add --config.data.path=DIR --config.model.vocab_size=384)
@@ -33,8 +33,8 @@ halving (cpu with successive halving from step 25), tiny (the unit tests' 4-tria
 import dataclasses
 
 from models.llama import PRESETS as MODEL_PRESETS
-from toolkit import search
-from toolkit.config import defaults
+from toolkit.tuning import search
+from toolkit.training.config import defaults
 
 _VARIANTS = ("cpu", "tiny")
 _KEYS = ("size", "rules", "data")

@@ -37,7 +37,7 @@ import dataclasses
 import ml_collections
 
 from models.vit import PRESETS as MODEL_PRESETS
-from toolkit.config import defaults
+from toolkit.training.config import defaults
 
 _VARIANTS = ("cpu", "tiny", "b16")
 _KEYS = ("rules", "data", "workers")

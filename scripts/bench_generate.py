@@ -59,20 +59,95 @@ def _load_test_module():
   return module
 
 
+def _apply_quick() -> None:
+  """--quick: the test-sized settings."""
+  for name, value in (("model", "tiny"), ("batch_sizes", ["1", "4"]), ("compare_batch", 4),
+                      ("decode_steps", 8), ("rounds", 2), ("cache_length", 64),
+                      ("prompt_length", 8), ("serve_batch", 4), ("requests", 32),
+                      ("clients", 4), ("max_tokens", 4)):
+    flags.FLAGS[name].value = value
+
+
+def time_decode(engine, batch: int, prompt_length: int, steps: int, rng) -> float:
+  """Median seconds per decode step with every slot busy."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from toolkit.inference.sampling import SamplingParams, row_arrays  # pylint: disable=g-import-not-at-top
+  cache = engine.new_cache(batch)
+  prompts = [rng.integers(0, engine.model_cfg.vocab_size, prompt_length).astype(np.int32)
+             for _ in range(batch)]
+  greedy = [SamplingParams()] * batch
+  cache, first, _ = engine.prefill(cache, prompts, list(range(batch)), greedy, batch)
+  tokens = np.asarray(first)
+  rows = row_arrays(greedy)
+  rounds = []
+  for r in range(_ROUNDS.value + 1):  # round 0 compiles and warms up
+    positions = np.full(batch, prompt_length, np.int32)
+    start = time.perf_counter()
+    for i in range(steps):
+      cache, next_tokens, _ = engine.decode(cache, tokens, positions, rows,
+                                            np.full(batch, i + 1, np.int32))
+      tokens = np.asarray(next_tokens)  # the per-step host round trip of serving
+      positions = positions + 1
+    if r:
+      rounds.append((time.perf_counter() - start) / steps)
+  return statistics.median(rounds)
+
+
+def time_recompute(engine, batch: int, prompt_length: int, steps: int, rng) -> float:
+  """Median seconds per token when the forward pass runs over the whole window again."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  graphdef = engine.graphdef
+
+  @jax.jit
+  def next_token(params, window, last):
+    logits = nnx.merge(graphdef, params)(window)
+    return jax.numpy.argmax(logits[jax.numpy.arange(window.shape[0]), last], axis=-1)
+
+  window = np.asarray(rng.integers(0, engine.model_cfg.vocab_size,
+                                   (batch, engine.cache_length)), np.int32)
+  rounds = []
+  for r in range(_ROUNDS.value + 1):
+    start = time.perf_counter()
+    for i in range(steps):
+      last = np.full(batch, prompt_length + i - 1, np.int32)
+      token = np.asarray(next_token(engine.params, window, last))
+      window[:, prompt_length + i] = token
+    if r:
+      rounds.append((time.perf_counter() - start) / steps)
+  return statistics.median(rounds)
+
+
+def serve_under_load(engine) -> dict:
+  """The HTTP server under the load script: its summary (exits 1 on failed requests)."""
+  from toolkit.inference import engine as engine_lib  # pylint: disable=g-import-not-at-top
+  from toolkit.inference import server as server_lib  # pylint: disable=g-import-not-at-top
+  load_test = _load_test_module()
+  batcher = engine_lib.Batcher(engine, _SERVE_BATCH.value, max_queue=4 * _REQUESTS.value)
+  start = time.perf_counter()
+  shapes = batcher.warmup()
+  print(f"server: compiled {shapes} shapes in {time.perf_counter() - start:.1f} s", flush=True)
+  server = server_lib.Server(batcher, port=0).start()
+  try:
+    bodies = [load_test.request_body(i, _MAX_TOKENS.value, 0.0) for i in range(_REQUESTS.value)]
+    records, seconds = asyncio.run(load_test.run_load(server.url, bodies, _CLIENTS.value, 300.0))
+  finally:
+    server.stop()
+  summary = load_test.summarize(records, seconds, _CLIENTS.value)
+  summary["batch_size"] = _SERVE_BATCH.value
+  print(f"server ({_SERVE_BATCH.value} slots, {_MAX_TOKENS.value} tokens per request):\n"
+        f"{load_test.format_summary(summary)}", flush=True)
+  if summary["ok"] < summary["requests"] or summary["mixed_up"]:
+    print("error: the load test had failed or mixed-up requests", file=sys.stderr)
+    sys.exit(1)
+  return summary
+
+
 def main(argv) -> None:
   del argv
   if _QUICK.value:
-    flags.FLAGS["model"].value = "tiny"
-    flags.FLAGS["batch_sizes"].value = ["1", "4"]
-    flags.FLAGS["compare_batch"].value = 4
-    flags.FLAGS["decode_steps"].value = 8
-    flags.FLAGS["rounds"].value = 2
-    flags.FLAGS["cache_length"].value = 64
-    flags.FLAGS["prompt_length"].value = 8
-    flags.FLAGS["serve_batch"].value = 4
-    flags.FLAGS["requests"].value = 32
-    flags.FLAGS["clients"].value = 4
-    flags.FLAGS["max_tokens"].value = 4
+    _apply_quick()
   if "device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={_DEVICES.value}")
@@ -82,8 +157,7 @@ def main(argv) -> None:
   sys.path.insert(0, str(REPO))
   import sharding  # pylint: disable=g-import-not-at-top
   from models import Llama, LlamaConfig  # pylint: disable=g-import-not-at-top
-  from toolkit import engine as engine_lib, serve  # pylint: disable=g-import-not-at-top
-  from toolkit.sampling import SamplingParams, row_arrays  # pylint: disable=g-import-not-at-top
+  from toolkit.inference import engine as engine_lib  # pylint: disable=g-import-not-at-top
 
   cfg = LlamaConfig.preset(_MODEL.value)
   params = nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(params=0)), nnx.Param))
@@ -100,92 +174,27 @@ def main(argv) -> None:
         f"device(s) {jax.devices()[0].device_kind}, mesh {dict(mesh.shape)}, rules {rules.name}; "
         f"prompt {prompt_length}, {steps} decode steps, cache {cache_length}", flush=True)
   rng = np.random.default_rng(0)
-
-  def time_decode(batch: int) -> float:
-    """Median seconds per decode step with every slot busy."""
-    cache = engine.new_cache(batch)
-    prompts = [rng.integers(0, cfg.vocab_size, prompt_length).astype(np.int32)
-               for _ in range(batch)]
-    greedy = [SamplingParams()] * batch
-    cache, first, _ = engine.prefill(cache, prompts, list(range(batch)), greedy, batch)
-    tokens = np.asarray(first)
-    rows = row_arrays(greedy)
-    rounds = []
-    for r in range(_ROUNDS.value + 1):  # round 0 compiles and warms up
-      positions = np.full(batch, prompt_length, np.int32)
-      start = time.perf_counter()
-      for i in range(steps):
-        cache, next_tokens, _ = engine.decode(cache, tokens, positions, rows,
-                                              np.full(batch, i + 1, np.int32))
-        tokens = np.asarray(next_tokens)  # the per-step host round trip of serving
-        positions = positions + 1
-      if r:
-        rounds.append((time.perf_counter() - start) / steps)
-    return statistics.median(rounds)
-
-  def time_recompute(batch: int) -> float:
-    """Median seconds per token when the forward pass runs over the whole window again."""
-    graphdef = engine.graphdef
-
-    @jax.jit
-    def next_token(params, window, last):
-      logits = nnx.merge(graphdef, params)(window)
-      return jax.numpy.argmax(logits[jax.numpy.arange(window.shape[0]), last], axis=-1)
-
-    window = np.asarray(rng.integers(0, cfg.vocab_size, (batch, cache_length)), np.int32)
-    rounds = []
-    for r in range(_ROUNDS.value + 1):
-      start = time.perf_counter()
-      for i in range(steps):
-        last = np.full(batch, prompt_length + i - 1, np.int32)
-        token = np.asarray(next_token(engine.params, window, last))
-        window[:, prompt_length + i] = token
-      if r:
-        rounds.append((time.perf_counter() - start) / steps)
-    return statistics.median(rounds)
-
   results = {"model": _MODEL.value, "devices": len(devices), "mesh": dict(mesh.shape),
              "rules": rules.name, "cache_length": cache_length, "prompt_length": prompt_length,
              "decode_steps": steps, "decode": {}}
   print(f"{'batch':>6} {'step ms':>9} {'tokens/s':>10}", flush=True)
   for batch in [int(b) for b in _BATCH_SIZES.value]:
-    seconds = time_decode(batch)
+    seconds = time_decode(engine, batch, prompt_length, steps, rng)
     results["decode"][batch] = {"step_s": seconds, "tokens_per_second": batch / seconds}
     print(f"{batch:>6} {seconds * 1000:>9.2f} {batch / seconds:>10,.0f}", flush=True)
 
   batch = _COMPARE_BATCH.value
-  cached = results["decode"].get(batch, {}).get("step_s") or time_decode(batch)
-  recomputed = time_recompute(batch)
+  cached = (results["decode"].get(batch, {}).get("step_s")
+            or time_decode(engine, batch, prompt_length, steps, rng))
+  recomputed = time_recompute(engine, batch, prompt_length, steps, rng)
   ratio = recomputed / cached
   results["compare"] = {"batch": batch, "cached_step_s": cached, "recompute_step_s": recomputed,
                         "ratio": ratio, "target": TARGET_RATIO}
   print(f"batch {batch}: KV cache {batch / cached:,.0f} tokens/s vs recomputing the "
         f"{cache_length}-token window {batch / recomputed:,.0f} tokens/s: ratio {ratio:.1f}x "
         f"(target >= {TARGET_RATIO:.0f}x)", flush=True)
-
   if _SERVE_BATCH.value:
-    load_test = _load_test_module()
-    batcher = engine_lib.Batcher(engine, _SERVE_BATCH.value, max_queue=4 * _REQUESTS.value)
-    start = time.perf_counter()
-    shapes = batcher.warmup()
-    print(f"server: compiled {shapes} shapes in {time.perf_counter() - start:.1f} s", flush=True)
-    server = serve.Server(batcher, port=0).start()
-    try:
-      bodies = [load_test.request_body(i, _MAX_TOKENS.value, 0.0)
-                for i in range(_REQUESTS.value)]
-      records, seconds = asyncio.run(load_test.run_load(server.url, bodies, _CLIENTS.value,
-                                                        300.0))
-    finally:
-      server.stop()
-    summary = load_test.summarize(records, seconds, _CLIENTS.value)
-    summary["batch_size"] = _SERVE_BATCH.value
-    results["serve"] = summary
-    print(f"server ({_SERVE_BATCH.value} slots, {_MAX_TOKENS.value} tokens per request):\n"
-          f"{load_test.format_summary(summary)}", flush=True)
-    if summary["ok"] < summary["requests"] or summary["mixed_up"]:
-      print("error: the load test had failed or mixed-up requests", file=sys.stderr)
-      sys.exit(1)
-
+    results["serve"] = serve_under_load(engine)
   if _JSON.value:
     with open(_JSON.value, "w") as f:
       json.dump(results, f, indent=2)

@@ -3,7 +3,7 @@
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
     python scripts/bench_pipeline.py --config=experiments/vit.py:cpu --batches=200
 
-Builds the run's batches exactly as `toolkit.train` does (`train.build`), then draws
+Builds the run's batches exactly as `toolkit.train` does (`training.build`), then draws
 `--batches` batches from the same iterator the loop reads (Grain workers, prefetch, placement
 on the devices included) and prints examples/s (and tokens/s for an LM). Compare with the
 `img/s` or `tok/s` of the training log: the pipeline keeps up when it is faster.
@@ -28,14 +28,14 @@ def main() -> None:
   def run(argv) -> None:
     del argv
     import jax  # pylint: disable=g-import-not-at-top
-    from toolkit import pipeline, train  # pylint: disable=g-import-not-at-top
-    from toolkit.config import ConfigError  # pylint: disable=g-import-not-at-top
+    from toolkit import training  # pylint: disable=g-import-not-at-top
+    from toolkit.errors import ConfigError  # pylint: disable=g-import-not-at-top
     config = config_flag.value
     try:
-      setup = train.build(config)
+      setup = training.build(config)
     except ConfigError as e:
       command_line.fail(e)
-    iterator = pipeline.iterator(setup.batches, 0, None, config.data.prefetch)
+    iterator = setup.batches.iterator(0, None, config.data.prefetch)
     jax.block_until_ready(next(iterator))  # start-up (Grain workers) is not throughput
     started = time.perf_counter()
     for _ in range(batches_flag.value):

@@ -7,7 +7,7 @@
 One run measures, on one mesh and one batch:
   1. the f32 matmul peak: median time of a jitted 2048x2048 `jnp.dot` on one device. On CPU
      the simulated devices share the host's cores, so this is the whole machine's peak;
-  2. the toolkit step, built the way `toolkit.train.run` builds it (resolve -> optimizer ->
+  2. the toolkit step, built the way `toolkit.training.run` builds it (resolve -> optimizer ->
      layout -> create -> make_train_step -> compile_step);
   3. a bare baseline: the same model and loss written directly in jax.numpy on the same
      params pytree, the same optax optimizer, jitted with the same shardings and donation,
@@ -40,7 +40,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import LlamaConfig
-from toolkit import config as config_lib, state as state_lib, step as step_lib, train
+from toolkit.training import config as config_lib, state as state_lib, step as step_lib
+from toolkit import training as train
 
 TARGET_RATIO = 1.03          # toolkit step time / bare step time, at most
 TARGET_PEAK_FRACTION = 0.60  # model FLOP/s / matmul peak, at least
@@ -178,6 +179,37 @@ def _run_steps(step_fn, state, batch, steps: int):
   return state, (time.perf_counter() - start) / steps
 
 
+def _check_same_math(steps: dict, states: dict, batch, check_steps: int, rtol: float) -> dict:
+  """Runs both steps `check_steps` times; raises unless their losses agree within `rtol`."""
+  losses = {"toolkit": [], "bare": []}
+  for _ in range(check_steps):
+    states["toolkit"], metrics = steps["toolkit"](states["toolkit"], batch)
+    states["bare"], loss = steps["bare"](states["bare"], batch)
+    losses["toolkit"].append(float(metrics["loss"]))
+    losses["bare"].append(float(loss))
+  if not np.allclose(losses["bare"], losses["toolkit"], rtol=rtol, atol=0):
+    raise AssertionError(
+        f"bare losses {losses['bare']} differ from toolkit losses {losses['toolkit']} beyond "
+        f"rtol={rtol}: the baseline is not the same math, so its timing is not comparable")
+  _progress(f"losses agree: {losses['toolkit']}")
+  return losses
+
+
+def _time_rounds(steps: dict, states: dict, batch, warmup_steps: int, rounds: int,
+                 steps_per_round: int) -> dict[str, list[float]]:
+  """Seconds per step of each round, the two steps alternating which goes first."""
+  for name in steps:
+    states[name], per_step = _run_steps(steps[name], states[name], batch, warmup_steps)
+    _progress(f"warm-up {name}: {per_step * 1e3:.0f} ms/step")
+  seconds = {name: [] for name in steps}
+  for r in range(rounds):
+    for name in (("toolkit", "bare") if r % 2 == 0 else ("bare", "toolkit")):  # cancel drift
+      states[name], per_step = _run_steps(steps[name], states[name], batch, steps_per_round)
+      seconds[name].append(per_step)
+      _progress(f"round {r + 1}/{rounds} {name}: {per_step * 1e3:.0f} ms/step")
+  return seconds
+
+
 def benchmark(config: ml_collections.ConfigDict, *, rounds: int, steps_per_round: int,
               warmup_steps: int, check_steps: int, rtol: float, matmul_size: int,
               matmul_repeats: int, bare_batch_constraint: bool = True) -> dict:
@@ -185,7 +217,7 @@ def benchmark(config: ml_collections.ConfigDict, *, rounds: int, steps_per_round
   peak = matmul_flops_per_second(matmul_size, matmul_repeats)
   _progress(f"matmul peak {peak / 1e9:.1f} GFLOP/s")
 
-  # The toolkit step, built by the same `toolkit.train.build` the training loop uses.
+  # The toolkit step, built by the same `toolkit.training.build` the training loop uses.
   setup = train.build(config)
   mesh, rules, model_cfg = setup.spec.mesh, setup.spec.rules, setup.spec.model
   batches, optimizer, layout, step = setup.batches, setup.optimizer, setup.layout, setup.step
@@ -213,27 +245,8 @@ def benchmark(config: ml_collections.ConfigDict, *, rounds: int, steps_per_round
   steps = {"toolkit": toolkit_step, "bare": bare_step}
   batch = batches.batch(0)
 
-  losses = {"toolkit": [], "bare": []}
-  for _ in range(check_steps):
-    states["toolkit"], metrics = toolkit_step(states["toolkit"], batch)
-    states["bare"], loss = bare_step(states["bare"], batch)
-    losses["toolkit"].append(float(metrics["loss"]))
-    losses["bare"].append(float(loss))
-  if not np.allclose(losses["bare"], losses["toolkit"], rtol=rtol, atol=0):
-    raise AssertionError(
-        f"bare losses {losses['bare']} differ from toolkit losses {losses['toolkit']} beyond "
-        f"rtol={rtol}: the baseline is not the same math, so its timing is not comparable")
-
-  _progress(f"losses agree: {losses['toolkit']}")
-  for name in steps:
-    states[name], per_step = _run_steps(steps[name], states[name], batch, warmup_steps)
-    _progress(f"warm-up {name}: {per_step * 1e3:.0f} ms/step")
-  seconds = {name: [] for name in steps}
-  for r in range(rounds):
-    for name in (("toolkit", "bare") if r % 2 == 0 else ("bare", "toolkit")):  # cancel drift
-      states[name], per_step = _run_steps(steps[name], states[name], batch, steps_per_round)
-      seconds[name].append(per_step)
-      _progress(f"round {r + 1}/{rounds} {name}: {per_step * 1e3:.0f} ms/step")
+  losses = _check_same_math(steps, states, batch, check_steps, rtol)
+  seconds = _time_rounds(steps, states, batch, warmup_steps, rounds, steps_per_round)
   peak_after = matmul_flops_per_second(matmul_size, matmul_repeats)
 
   tokens_per_step = config.data.global_batch_size * config.data.seq_len

@@ -7,7 +7,7 @@ Two measurements, on the experiment's sweep (`experiments/lm.py` get_sweep):
   1. step time: the K-trial population step (trial axis split over a `population` mesh axis)
      against K x the step of one trial trained alone on all the devices (its experiment mesh);
      median of rounds that alternate the two, after warm-up. Target: ratio <= 0.5.
-  2. sweep wall time: the same K-trial sweep (`toolkit.sweep.run`, --sweep_steps steps each,
+  2. sweep wall time: the same K-trial sweep (`toolkit.tuning.runner.run`, --sweep_steps steps each,
      compiles, evals and checkpoints included) in population mode and in process mode (K runs
      at once on disjoint device subsets).
 """
@@ -49,8 +49,10 @@ def _time_steps(step, state, args, steps: int):
 
 
 def step_times(sweep_arg: str, trials: int, rounds: int, steps: int, axis_size: int = 0) -> dict:
-  from toolkit import population, state as state_lib, step as step_lib, sweep as sweep_lib
-  from toolkit import train  # pylint: disable=g-import-not-at-top
+  from toolkit.tuning import population
+  from toolkit.training import state as state_lib, step as step_lib
+  from toolkit import training as train
+  from toolkit.tuning import runner as sweep_lib
   loaded = sweep_lib.load(sweep_arg)
   configs = loaded.configs[:trials]
   if len(configs) < trials:
@@ -83,7 +85,7 @@ def step_times(sweep_arg: str, trials: int, rounds: int, steps: int, axis_size: 
 
 
 def sweep_times(sweep_arg: str, trials: int, steps: int) -> dict:
-  from toolkit import sweep as sweep_lib  # pylint: disable=g-import-not-at-top
+  from toolkit.tuning import runner as sweep_lib  # pylint: disable=g-import-not-at-top
   loaded = sweep_lib.load(sweep_arg)
   # Fewer steps, and evals/checkpoints at the same points in both modes.
   fixed = {"train.steps": steps, "train.eval_every": max(steps // 2, 1),

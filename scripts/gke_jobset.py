@@ -41,7 +41,7 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a plain checkout too, without installing meshkit
 
-from toolkit import topology, workdir  # noqa: E402  pylint: disable=wrong-import-position
+from toolkit import accelerators, workdir  # noqa: E402  pylint: disable=wrong-import-position
 
 USAGE_EXIT = 2
 REPLICATED_JOB = "slice"
@@ -61,7 +61,7 @@ class _Parser(argparse.ArgumentParser):
     fail(f"{message} (see {self.prog} --help)")
 
 
-def jobset(*, name: str, tpu: topology.TpuType, slices: int, image: str, train_argv: list[str],
+def jobset(*, name: str, tpu: accelerators.TpuType, slices: int, image: str, train_argv: list[str],
            env: list[tuple[str, str]], nodes: int, chips_per_node: int, namespace: str | None,
            max_restarts: int, queue: str | None, working_dir: str | None,
            termination_grace_seconds: int, gcs_bucket: str | None = None) -> dict:
@@ -189,9 +189,9 @@ def _env_pair(text: str) -> tuple[str, str]:
   return key, value
 
 
-def _accelerator_type(text: str) -> topology.TpuType:
+def _accelerator_type(text: str) -> accelerators.TpuType:
   try:
-    return topology.accelerator(text)
+    return accelerators.accelerator(text)
   except ValueError as e:
     raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from toolkit import pod  # noqa: E402  pylint: disable=wrong-import-position
+from toolkit.pod import local as pod  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def main(argv: list[str]) -> int:

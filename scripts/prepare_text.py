@@ -1,4 +1,4 @@
-"""Text files or JSONL -> pre-tokenized shard files for `data.source=tokens` (toolkit.shards).
+"""Text files or JSONL -> pre-tokenized shard files for `data.source=tokens` (toolkit/data/shards.py).
 
   python scripts/prepare_text.py --out=data/mytext book1.txt book2.txt notes.jsonl
   python scripts/prepare_text.py --out=data/hf --tokenizer=path/to/tokenizer.json corpus.jsonl
@@ -27,8 +27,8 @@ import zlib
 # Run as a file (python scripts/prepare_text.py): the repository root holds `toolkit`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from toolkit import shards  # noqa: E402  pylint: disable=wrong-import-position
-from toolkit.config import ConfigError  # noqa: E402  pylint: disable=wrong-import-position
+from toolkit.data import shards  # noqa: E402  pylint: disable=wrong-import-position
+from toolkit.errors import ConfigError  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def read_documents(paths: list[str], text_key: str):

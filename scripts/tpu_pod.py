@@ -43,7 +43,7 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a plain checkout too, without installing meshkit
 
-from toolkit import topology, workdir  # noqa: E402  pylint: disable=wrong-import-position
+from toolkit import accelerators, workdir  # noqa: E402  pylint: disable=wrong-import-position
 
 REMOTE_DIR = "meshkit"  # on every host, relative to the login directory of the ssh user
 REMOTE_ARCHIVE = "/tmp/meshkit-src.tgz"
@@ -72,7 +72,7 @@ class Pod:
   name: str
   zone: str
   project: str | None
-  tpu: topology.TpuType | None
+  tpu: accelerators.TpuType | None
   slices: int
   queued: bool
 
@@ -208,9 +208,9 @@ def _env_pair(text: str) -> tuple[str, str]:
   return key, value
 
 
-def _accelerator_type(text: str) -> topology.TpuType:
+def _accelerator_type(text: str) -> accelerators.TpuType:
   try:
-    return topology.accelerator(text)
+    return accelerators.accelerator(text)
   except ValueError as e:
     raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -286,7 +286,7 @@ def main(argv: list[str]) -> None:
   pod = Pod(name=args.name, zone=args.zone, project=args.project, tpu=args.accelerator_type,
             slices=args.slices, queued=args.queued or args.slices > 1)
   if args.command == "create":
-    version = args.version or topology.GENERATIONS[pod.tpu.generation].runtime_version
+    version = args.version or accelerators.GENERATIONS[pod.tpu.generation].runtime_version
     groups, verb = create_commands(pod, version, args.spot), "creates"
   elif args.command == "setup":
     groups, verb = setup_commands(pod, args.repo_url, args.ref), "reaches"

@@ -18,7 +18,7 @@ from jax.sharding import AxisType, Mesh
 from sharding.errors import ShardingError
 
 # The mesh axes meshkit knows, in the order they are usually listed (outermost first).
-# `population` splits the trials of a population sweep (toolkit.population) across devices;
+# `population` splits the trials of a population sweep (toolkit.tuning.population) across devices;
 # only sweeps add it, and the model's own axes then share the devices of one trial group.
 MESH_AXES: tuple[str, ...] = ("population", "data", "stage", "fsdp", "sequence", "expert",
                               "tensor")

@@ -16,7 +16,7 @@ import logging as std_logging
 
 import ml_collections
 
-from toolkit.config import ConfigError
+from toolkit.errors import ConfigError
 
 
 USAGE_EXIT = 2  # a mistake on the command line, found before anything ran

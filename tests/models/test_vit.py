@@ -10,8 +10,9 @@ from experiments import vit as vit_experiment
 from models import ViT, ViTConfig
 from models.vit import patchify
 from sharding.axes import LOGICAL_AXES
-from tests.toolkit.training import TOLERANCE, assert_trees_close, train_steps
-from toolkit import state as state_lib, step as step_lib, train as train_lib
+from tests.tiny_runs import TOLERANCE, assert_trees_close, train_steps
+from toolkit.training import state as state_lib, step as step_lib
+from toolkit import training
 
 
 def test_patchify_is_raster_order():
@@ -107,7 +108,7 @@ def test_b16_step_lowers_for_a_pod_sized_batch():
   """The ImageNet-shaped variant builds (synthetic data, fsdp) and its real train step lowers
   with the global batch of 4,096 on 8 devices; `toolkit.compile` compiles it for TPUs."""
   config = vit_experiment.get_config("b16")
-  setup = train_lib.build(config)
+  setup = training.build(config)
   assert setup.batches.abstract()["images"].shape == (4096, 224, 224, 3)
   train_jit, _ = step_lib.jit_step(setup.step, setup.layout, setup.batches.abstract(),
                                    setup.spec.mesh)
@@ -121,14 +122,14 @@ def test_b16_step_lowers_for_a_pod_sized_batch():
 def test_b16_compiles_for_a_tpu_slice():
   """ViT-B/16, global batch 1,024, fsdp over a v5p-16 slice (8 chips): the real train step
   compiled ahead of time from this CPU machine, with its memory per chip."""
-  from toolkit import target as target_lib  # pylint: disable=g-import-not-at-top
+  from toolkit.pod import target as target_lib  # pylint: disable=g-import-not-at-top
   if target_lib.libtpu_missing_reason():
     pytest.skip(target_lib.libtpu_missing_reason())
   target_lib.prepare_libtpu_environment()
   config = vit_experiment.get_config("b16")
   config.data.global_batch_size = 1024
   tpu = target_lib.target_for("v5p-16")
-  setup = train_lib.build(config, devices=list(tpu.devices))
+  setup = training.build(config, devices=list(tpu.devices))
   train_jit, _ = step_lib.jit_step(setup.step, setup.layout, setup.batches.abstract(),
                                    setup.spec.mesh)
   compiled = train_jit.lower(setup.layout.abstract, setup.batches.abstract()).compile()
@@ -141,7 +142,7 @@ def test_b16_compiles_for_a_tpu_slice():
 def test_digits_reach_97_percent_held_out_accuracy(tmp_path):
   """experiments/vit.py:cpu as `toolkit.train` runs it (~3 minutes on 2 cores)."""
   config = vit_experiment.get_config("cpu")
-  result = train_lib.run(config, str(tmp_path))
+  result = training.run(config, str(tmp_path))
   final = result.eval_metrics[config.train.steps]
   assert final["accuracy"] >= 0.97 and final["examples"] == 359, final
   assert result.confusion.sum() == 359 and np.trace(result.confusion) == round(

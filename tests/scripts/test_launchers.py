@@ -1,4 +1,4 @@
-"""The TPU table (toolkit/topology.py) and the launchers in scripts/ (tpu_pod, gke_jobset,
+"""The TPU table (toolkit/accelerators.py) and the launchers in scripts/ (tpu_pod, gke_jobset,
 slurm_job): what they print in --dry-run, that a real run issues exactly those commands (to
 recording stand-ins for gcloud, kubectl, sbatch and srun on an otherwise empty PATH), that
 arguments survive shell quoting, and that every mistake is one error line.
@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from toolkit import topology
+from toolkit import accelerators
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
@@ -124,7 +124,7 @@ def load_script(name: str):
   return module
 
 
-# --- toolkit/topology.py ----------------------------------------------------------------------
+# --- toolkit/accelerators.py ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,chips,hosts,chips_per_host,grid", [
     ("v4-8", 4, 1, 4, "2x2x1"),
@@ -146,15 +146,15 @@ def load_script(name: str):
     ("v6e-256", 256, 32, 8, "16x16"),
 ])
 def test_chips_hosts_topology(name, chips, hosts, chips_per_host, grid):
-  t = topology.accelerator(name)
+  t = accelerators.accelerator(name)
   assert (t.chips, t.hosts, t.chips_per_host, t.topology) == (chips, hosts, chips_per_host, grid)
 
 
 def test_table_is_consistent():
-  assert len(topology.TPU_TYPES) >= 35
-  for name, t in topology.TPU_TYPES.items():
-    gen = topology.GENERATIONS[t.generation]
-    assert name == t.name and topology.accelerator(name) is t
+  assert len(accelerators.TPU_TYPES) >= 35
+  for name, t in accelerators.TPU_TYPES.items():
+    gen = accelerators.GENERATIONS[t.generation]
+    assert name == t.name and accelerators.accelerator(name) is t
     dims = t.topology_dims
     assert len(dims) == gen.torus_dims
     assert dims == tuple(sorted(dims)) or dims == (2, 2, 1)  # larger sides last
@@ -176,36 +176,36 @@ def test_memory_flops_bandwidth_and_software():
       "v6e-256": (32 * gib, 918e12, "v2-alpha-tpuv6e", "tpu-v6e-slice"),
   }
   for name, (hbm, flops, version, label) in expected.items():
-    t = topology.accelerator(name)
+    t = accelerators.accelerator(name)
     assert (t.hbm_bytes_per_chip, t.peak_bf16_flops_per_chip, t.runtime_version,
             t.gke_accelerator) == (hbm, flops, version, label)
     assert 1e9 < t.dcn_bytes_per_second_per_chip < t.ici_bytes_per_second_per_chip < 2e12
-  assert topology.accelerator("v5litepod-16").hbm_bytes == 256 * gib
-  assert topology.accelerator("v6e-256").peak_bf16_flops == pytest.approx(235e15, rel=0.01)
+  assert accelerators.accelerator("v5litepod-16").hbm_bytes == 256 * gib
+  assert accelerators.accelerator("v6e-256").peak_bf16_flops == pytest.approx(235e15, rel=0.01)
 
 
 def test_peak_flops_by_device_kind():
-  for gen in topology.GENERATIONS.values():
-    assert topology.peak_flops_per_chip(gen.device_kind) == gen.peak_bf16_flops_per_chip
-  assert topology.peak_flops_per_chip("NVIDIA H100 80GB HBM3") == 989e12
-  assert topology.peak_flops_per_chip("cpu") == 0.0  # unknown: MFU needs a configured peak
+  for gen in accelerators.GENERATIONS.values():
+    assert accelerators.peak_flops_per_chip(gen.device_kind) == gen.peak_bf16_flops_per_chip
+  assert accelerators.peak_flops_per_chip("NVIDIA H100 80GB HBM3") == 989e12
+  assert accelerators.peak_flops_per_chip("cpu") == 0.0  # unknown: MFU needs a configured peak
 
 
 def test_aliases_and_spelling():
-  assert topology.accelerator("v5e-16") is topology.accelerator("v5litepod-16")
-  assert topology.accelerator(" V4-32 ") is topology.TPU_TYPES["v4-32"]
+  assert accelerators.accelerator("v5e-16") is accelerators.accelerator("v5litepod-16")
+  assert accelerators.accelerator(" V4-32 ") is accelerators.TPU_TYPES["v4-32"]
 
 
 def test_ahead_of_time_compile_arguments():
-  assert topology.accelerator("v5e-16").topology_desc_kwargs() == dict(
+  assert accelerators.accelerator("v5e-16").topology_desc_kwargs() == dict(
       platform="tpu", topology_name="v5e:4x4", chip_config_name="default",
       chips_per_host_bounds=(2, 2, 1), num_slices=1, wrap=(False, False, False))
-  v5p = topology.accelerator("v5p-128").topology_desc_kwargs(num_slices=2)
+  v5p = accelerators.accelerator("v5p-128").topology_desc_kwargs(num_slices=2)
   assert (v5p["topology_name"], v5p["chip_config_name"], v5p["wrap"], v5p["num_slices"]) == (
       "v5:4x4x4", "megacore", (True, True, True), 2)
-  assert topology.accelerator("v4-64").wrap == (False, False, False)  # 2x4x4: no full torus
-  assert topology.accelerator("v5litepod-256").wrap == (True, True, False)
-  assert topology.accelerator("v6e-1").chips_per_host_bounds == (1, 1, 1)
+  assert accelerators.accelerator("v4-64").wrap == (False, False, False)  # 2x4x4: no full torus
+  assert accelerators.accelerator("v5litepod-256").wrap == (True, True, False)
+  assert accelerators.accelerator("v6e-1").chips_per_host_bounds == (1, 1, 1)
 
 
 @pytest.mark.tpu_aot
@@ -213,7 +213,7 @@ def test_ahead_of_time_compile_arguments():
 def test_libtpu_accepts_the_compile_arguments(name):
   pytest.importorskip("libtpu")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  t = topology.accelerator(name)
+  t = accelerators.accelerator(name)
   assert len(topologies.get_topology_desc(**t.topology_desc_kwargs()).devices) == t.chips
 
 
@@ -226,7 +226,7 @@ def test_libtpu_accepts_the_compile_arguments(name):
 ])
 def test_unknown_accelerator_type(name, mentions):
   with pytest.raises(ValueError) as error:
-    topology.accelerator(name)
+    accelerators.accelerator(name)
   message = str(error.value)
   assert "\n" not in message
   for text in mentions:
@@ -241,7 +241,7 @@ POD = ["--name=lm", "--zone=us-west4-a"]
 @pytest.mark.parametrize("accelerator,hosts", [
     ("v5litepod-16", 2), ("v4-32", 4), ("v5p-128", 16), ("v6e-256", 32), ("v5e-8", 1)])
 def test_tpu_pod_hosts_and_accelerator_flag(accelerator, hosts):
-  t = topology.accelerator(accelerator)
+  t = accelerators.accelerator(accelerator)
   out = ok(launch("tpu_pod.py", "create", *POD, f"--accelerator-type={accelerator}",
                   "--dry-run"))
   assert out.splitlines()[0].endswith(f"creates {hosts} host{'s' * (hosts > 1)}")
@@ -349,7 +349,7 @@ def test_tpu_pod_setup_copies_the_working_tree(tmp_path):
       names = set(tar.getnames())
   finally:
     archive.unlink(missing_ok=True)
-  assert {"pyproject.toml", "toolkit/topology.py", "scripts/tpu_pod.py"} <= names
+  assert {"pyproject.toml", "toolkit/accelerators.py", "scripts/tpu_pod.py"} <= names
   assert not any(n.startswith((".venv/", ".git/")) or "__pycache__" in n for n in names)
 
 

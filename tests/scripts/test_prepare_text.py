@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from scripts import prepare_text
-from toolkit import shards
-from toolkit.config import ConfigError
+from toolkit.data import shards
+from toolkit.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = os.path.join(REPO, "tests", "fixtures", "tokenizer.json")

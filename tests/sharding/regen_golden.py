@@ -13,7 +13,7 @@ import tests.conftest  # noqa: F401  (8 simulated CPU devices, set before JAX st
 
 from models import LlamaConfig
 from sharding import PRESETS, Rules, make_mesh, parse_axis_sizes, sharding_report
-from toolkit.state import param_entries
+from toolkit.training.state import param_entries
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
 MODEL_PRESETS = ("tiny", "cpu")

@@ -1,0 +1,200 @@
+"""Checks the house layout: imports run one way and in no circle; modules and functions stay
+small. Prints what it finds; exit status 1 when anything breaks a rule.
+
+  python scripts/check_layout.py
+
+The direction, lowest first (a module may import its own layer and the layers below):
+
+  sharding  <-  models  <-  toolkit's shared helpers (errors, accelerators, workdir,
+  command_line)  <-  toolkit/data  <-  toolkit/training  <-  the other toolkit/<concern>
+  subpackages (pod, inference, tuning, ...; never each other)  <-  toolkit's commands
+  (toolkit/*.py)  <-  experiments, scripts
+
+Sizes: no module over 500 lines, no function over 80 lines (nested functions count towards
+the function they sit in), outside tests/.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("sharding", "models", "toolkit", "experiments", "scripts")
+SHARED = {"toolkit", "toolkit.errors", "toolkit.accelerators", "toolkit.workdir",
+          "toolkit.command_line"}
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 80
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  rule: str
+  where: str
+  detail: str
+
+  def __str__(self) -> str:
+    return f"{self.rule}: {self.where}: {self.detail}"
+
+
+def _relative(path: pathlib.Path) -> str:
+  """`path` from the repository root it sits in (the one holding toolkit/)."""
+  for parent in path.parents:
+    if (parent / "toolkit").is_dir():
+      return str(path.relative_to(parent))
+  return str(path)
+
+
+def modules(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
+  """Dotted module name -> file, for every Python file of the packages above."""
+  found = {}
+  for package in PACKAGES:
+    for path in sorted((root / package).rglob("*.py")):
+      parts = list(path.relative_to(root).with_suffix("").parts)
+      if parts[-1] == "__init__":
+        parts = parts[:-1]
+      found[".".join(parts)] = path
+  return found
+
+
+def layer(module: str, known: dict[str, pathlib.Path]) -> tuple[int, str]:
+  """(rank, group): a module may import ranks at or below its own; groups of rank 5 (the
+  concern subpackages) may not import each other."""
+  parts = module.split(".")
+  if parts[0] == "sharding":
+    return 0, "sharding"
+  if parts[0] == "models":
+    return 1, "models"
+  if parts[0] in ("experiments", "scripts"):
+    return 6, parts[0]
+  if module in SHARED:
+    return 2, "shared"
+  package = ".".join(parts[:2])
+  if len(parts) >= 2 and package in known and known[package].name == "__init__.py":
+    concern = parts[1]
+    return {"data": (3, "data"), "training": (4, "training")}.get(concern, (5, concern))
+  return 6, "commands"  # toolkit/<command>.py
+
+
+def imports(path: pathlib.Path, known: dict[str, pathlib.Path]) -> list[tuple[str, int]]:
+  """(imported module, line) for every import of a known module in `path`, at any depth
+  (imports inside functions count: a circle through a lazy import is still a circle)."""
+  tree = ast.parse(path.read_text(), str(path))
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        if alias.name in known:
+          found.append((alias.name, node.lineno))
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      for alias in node.names:
+        submodule = f"{node.module}.{alias.name}"
+        if submodule in known:
+          found.append((submodule, node.lineno))
+        elif node.module in known:
+          found.append((node.module, node.lineno))
+  return found
+
+
+def direction_problems(known: dict[str, pathlib.Path]) -> list[Problem]:
+  problems = []
+  for module, path in known.items():
+    rank, group = layer(module, known)
+    for imported, line in imports(path, known):
+      other_rank, other_group = layer(imported, known)
+      where = f"{_relative(path)}:{line}"
+      target = _relative(known[imported])
+      if other_rank > rank:
+        problems.append(Problem("direction", where, f"{group} imports {other_group} ({target}); "
+                                f"{other_group} sits above {group}"))
+      elif other_rank == rank == 5 and other_group != group:
+        problems.append(Problem("sideways", where, f"{group} imports {other_group} ({target}); "
+                                f"concern subpackages share only data/ and training/"))
+  return problems
+
+
+def cycle_problems(known: dict[str, pathlib.Path]) -> list[Problem]:
+  """Import circles (Tarjan's strongly connected components)."""
+  graph = {m: sorted({i for i, _ in imports(p, known) if i != m}) for m, p in known.items()}
+  index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+  def visit(node: str) -> None:
+    index[node] = low[node] = len(index)
+    stack.append(node)
+    on_stack.add(node)
+    for other in graph[node]:
+      if other not in index:
+        visit(other)
+        low[node] = min(low[node], low[other])
+      elif other in on_stack:
+        low[node] = min(low[node], index[other])
+    if low[node] == index[node]:
+      component = []
+      while True:
+        member = stack.pop()
+        on_stack.discard(member)
+        component.append(member)
+        if member == node:
+          break
+      if len(component) > 1:
+        components.append(sorted(component))
+
+  sys.setrecursionlimit(max(10_000, sys.getrecursionlimit()))
+  for node in graph:
+    if node not in index:
+      visit(node)
+  return [Problem("cycle", " <-> ".join(_relative(known[m]) for m in c),
+                  "these modules import each other") for c in components]
+
+
+def size_problems(known: dict[str, pathlib.Path]) -> list[Problem]:
+  problems = []
+  for path in known.values():
+    text = path.read_text()
+    where = _relative(path)
+    lines = len(text.splitlines())
+    if lines > MAX_MODULE_LINES:
+      problems.append(Problem("module size", where, f"{lines} lines > {MAX_MODULE_LINES}"))
+    for node in ast.walk(ast.parse(text)):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        length = node.end_lineno - node.lineno + 1
+        if length > MAX_FUNCTION_LINES:
+          problems.append(Problem("function size", f"{where}:{node.lineno}",
+                                  f"{node.name} has {length} lines > {MAX_FUNCTION_LINES}"))
+  return problems
+
+
+def check(root: pathlib.Path = ROOT) -> list[Problem]:
+  known = modules(root)
+  return direction_problems(known) + cycle_problems(known) + size_problems(known)
+
+
+def largest(known: dict[str, pathlib.Path], count: int = 5) -> tuple[list, list]:
+  """The longest modules and functions, for the report."""
+  module_sizes = sorted(((len(p.read_text().splitlines()), _relative(p))
+                         for p in known.values()), reverse=True)[:count]
+  functions = []
+  for path in known.values():
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        functions.append((node.end_lineno - node.lineno + 1,
+                          f"{_relative(path)}:{node.lineno} {node.name}"))
+  return module_sizes, sorted(functions, reverse=True)[:count]
+
+
+def main() -> int:
+  known = modules()
+  problems = check()
+  module_sizes, function_sizes = largest(known)
+  print(f"{len(known)} modules checked: imports one way, no circles, modules <= "
+        f"{MAX_MODULE_LINES} lines, functions <= {MAX_FUNCTION_LINES} lines")
+  print("longest modules:   " + ", ".join(f"{path} ({n})" for n, path in module_sizes))
+  print("longest functions: " + ", ".join(f"{where} ({n})" for n, where in function_sizes))
+  for problem in problems:
+    print(f"  {problem}")
+  print(f"{len(problems)} problem(s)")
+  return 1 if problems else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,109 @@
+"""Offline batch generation from a checkpoint: the library call and the command line."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.tiny_runs import tiny_config
+from toolkit import training
+from toolkit.inference import offline, restore
+from toolkit.errors import ConfigError
+from toolkit.inference.sampling import SamplingParams
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  path = tmp_path_factory.mktemp("lm")
+  training.run(tiny_config(steps=2), str(path))
+  return path
+
+
+def test_prompts_file_to_output_file_in_order(workdir, tmp_path):
+  prompts = tmp_path / "in.jsonl"
+  lines = [{"id": "a", "prompt": "The "}, {"tokens": [72, 105]},
+           {"id": 3, "prompt": "def f(x):", "max_tokens": 2},
+           {"prompt": "The ", "temperature": 1.0, "top_k": 5, "seed": 11}]
+  prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+  out = tmp_path / "out.jsonl"
+  records = offline.run(tiny_config(), str(workdir), prompts_file=str(prompts), output=str(out),
+                         defaults=SamplingParams(max_tokens=6), batch_size=4, cache_length=32)
+  written = [json.loads(line) for line in out.read_text().splitlines()]
+  assert written == records and len(written) == 4
+  assert [r.get("id") for r in written] == ["a", None, 3, None]
+  assert [r["completion_tokens"] for r in written] == [6, 6, 2, 6]
+  assert all(r["finish_reason"] == "length" for r in written)
+  assert written[1]["prompt_tokens"] == 2 and written[2]["prompt_tokens"] == 9
+  # Greedy is deterministic, and a seeded sample is reproducible on its own.
+  alone = offline.run(tiny_config(), str(workdir), prompt="The ",
+                       defaults=SamplingParams(max_tokens=6), batch_size=4, cache_length=32)
+  assert alone[0]["tokens"] == written[0]["tokens"]
+  again = offline.run(tiny_config(), str(workdir), prompt="The ", batch_size=4,
+                       cache_length=32, defaults=SamplingParams(max_tokens=6, temperature=1.0,
+                                                                top_k=5, seed=11))
+  assert again[0]["tokens"] == written[3]["tokens"]
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"prompt": "a"}\n{"prompt": "b"\n', "in.jsonl line 2 is not valid JSON"),
+    ('{"prompt": "a", "top_p": 2}\n', "in.jsonl line 1: top_p=2 must be in (0, 1]"),
+    ('{"text": "a"}\n', 'in.jsonl line 1: give exactly one of "prompt" (text) or "tokens"'),
+    ('{"prompt": "a", "temp": 1}\n', "in.jsonl line 1: unknown field 'temp'"),
+    ('{"prompt": "' + "x" * 40 + '"}\n', "exceeds the cache length 32"),
+    ("\n", "holds no prompts"),
+])
+def test_bad_prompt_files_name_the_line(workdir, tmp_path, content, message):
+  path = tmp_path / "in.jsonl"
+  path.write_text(content)
+  with pytest.raises(ConfigError) as error:
+    offline.run(tiny_config(), str(workdir), prompts_file=str(path), cache_length=32,
+                 defaults=SamplingParams(max_tokens=4))
+  assert message in str(error.value)
+
+
+def test_missing_checkpoint_and_arguments_are_clear_errors(tmp_path):
+  with pytest.raises(ConfigError, match="does not exist"):
+    offline.run(tiny_config(), str(tmp_path / "nope"), prompt="a")
+  with pytest.raises(ConfigError, match="holds no checkpoint"):
+    offline.run(tiny_config(), str(tmp_path), prompt="a")
+  with pytest.raises(ConfigError, match="exactly one of --prompt or --prompts_file"):
+    offline.run(tiny_config(), str(tmp_path), prompt="a", prompts_file="x.jsonl")
+
+
+def _cli(*args):
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+         "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, "-m", "toolkit.generate", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_command_line(workdir, tmp_path):
+  done = _cli("--config=experiments/lm.py:tiny", f"--checkpoint={workdir}", "--prompt=The ",
+              "--max_tokens=5", "--cache_length=32")
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.startswith("The ")
+  assert "requests 1/1 (100%)" in done.stderr and "tokens/s" in done.stderr
+  bad = _cli("--config=experiments/lm.py:tiny", f"--checkpoint={workdir}", "--prompt=x",
+             "--top_p=1.5")
+  assert bad.returncode == 1
+  assert bad.stderr.strip().splitlines()[-1] == (
+      "error: --top_p=1.5 must be in (0, 1] (1 turns it off)")
+
+
+def test_params_only_restore_equals_the_full_state_restore(workdir):
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from toolkit.training import checkpoint  # pylint: disable=g-import-not-at-top
+  params, _, mesh, _, step = restore.restore_params(tiny_config(), str(workdir))
+  setup = training.build(tiny_config())
+  manager = checkpoint.Checkpoints(checkpoint.checkpoints_dir(str(workdir)), read_only=True)
+  state, _ = manager.restore(step, setup.layout.abstract)
+  manager.close()
+  assert jax.tree.structure(params) == jax.tree.structure(state["params"])
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state["params"])):
+    assert a.sharding == b.sharding
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

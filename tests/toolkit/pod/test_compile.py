@@ -1,0 +1,434 @@
+"""Ahead-of-time compiles for TPU topologies from this CPU machine (`toolkit.compile`), the
+collective parser, the planner and plan files.
+
+Tests marked `tpu_aot` need libtpu (`pip install -e '.[tpu]'`) and skip with that reason
+without it; the rest (cpu:N targets, lint errors, the HLO parser, plan files) run anywhere.
+
+The memory band: compiled total / analytic total, measured (remat as in the config):
+  CPU LM (0.9 M params, batch 32 x 128) on v5e-8  0.28   v5p-8  1.06
+  1b, 64 x 2048 on v5e-16: none 0.98, save_dots 0.87, full 0.70
+  7b, 256 x 2048 on v5p-128: none 1.05, save_dots 1.02, full 1.09
+The outlier is the tiny model on v5e: its activations fit v5e's on-chip VMEM, where the
+compiler puts them (memory space S(1) in the HLO), and memory_analysis counts HBM only. So the
+band asserted here is [0.2, 1.5]: below is a broken estimate, not a cache effect.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import sharding
+
+from experiments import lm
+from toolkit.pod import collectives, plan as plan_lib
+from toolkit.pod import aot as compile_lib
+from toolkit.pod import report as report_lib
+from toolkit.pod import planner, target as target_lib
+from toolkit import training as train
+from toolkit.errors import ConfigError
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+# compiled / analytic memory per device. Measured: 0.28 (cpu LM, v5e-8) and 1.06 (cpu LM,
+# v5p-8); 0.59 to 1.49 for the 1b and 7b presets on v5e-16 ... v6e-256. XLA's TPU compiler
+# spends the HBM it has (fewer rematerializations, bigger fusion buffers: v5p has 6x the HBM
+# of v5e), so the ratio follows the chip as well as the model; outside this band the estimate
+# or the parser is wrong, not the compiler.
+RATIO_BAND = (0.2, 1.5)
+CLI_TIMEOUT_S = 300
+
+
+def needs_libtpu():
+  pytest.importorskip("libtpu", reason="libtpu is not installed: pip install -e '.[tpu]' (or "
+                      "'jax[tpu]==0.10.2') to run the ahead-of-time TPU compile tests")
+
+
+def _cpu_target(count: int = 8, slices: int = 1) -> target_lib.Target:
+  return target_lib.target_for(f"cpu:{count}", slices)
+
+
+def _compile_cli(*args: str) -> subprocess.CompletedProcess:
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if "device_count" not in f)
+  return subprocess.run([sys.executable, "-m", "toolkit.compile", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False)
+
+
+def _check_memory(report: report_lib.Report) -> None:
+  m = report.memory
+  assert m["total"] == (m["arguments"] + m["outputs"] + m["temporaries"] + m["generated_code"]
+                        - m["aliased"])
+  assert m["total"] > 0 and m["arguments"] > 0
+  ratio = report.analytic["ratio_compiled_to_analytic"]
+  assert RATIO_BAND[0] <= ratio <= RATIO_BAND[1], ratio
+  a = report.analytic
+  parts = ("params", "optimizer", "gradients", "activations", "logits", "weights_in_use")
+  assert a["total"] == pytest.approx(sum(a[p] for p in parts))
+  assert a["optimizer"] == 2 * a["params"]
+
+
+# --- TPU targets ----------------------------------------------------------------------------
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("topology", ["v5e-8", "v5p-8"])
+def test_cpu_lm_compiles_and_fits_on_small_slices(topology):
+  needs_libtpu()
+  config = lm.get_config("cpu")
+  tpu = target_lib.target_for(topology)
+  report = compile_lib.compile_report(config, tpu)
+  assert report.verdict == "fits" and report.exit_code == 0
+  # libtpu's logs went to a private folder, and it took no lock file in /tmp.
+  assert os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1"
+  assert os.environ["TPU_LOG_DIR"].rstrip("/") != "/tmp/tpu_logs"
+  assert os.path.isfile(os.path.join(os.environ["TPU_LOG_DIR"], "libtpu_init.log"))
+  _check_memory(report)
+  assert report.memory["hbm"] == tpu.tpu.hbm_bytes_per_chip
+  assert report.memory["headroom"] == report.memory["hbm"] - report.memory["total"]
+  # The mesh is the config's, its -1 filled from the target: fsdp x tensor=2.
+  assert report.run["mesh"] == {"data": 1, "fsdp": len(tpu.devices) // 2, "tensor": 2}
+  # remat none: the traced matmul FLOPs are the formula's (both count attention in full).
+  assert report.flops["traced_per_device"] == pytest.approx(
+      report.flops["model_formula_per_device"], rel=1e-6)
+  kinds = {(c["kind"], c["axes"]) for c in report.collectives}
+  assert ("all-gather", "fsdp") in kinds       # parameters gathered for compute
+  assert ("all-reduce", "tensor") in kinds     # tensor-parallel partial sums
+  assert not any(c["dcn"] for c in report.collectives)
+  assert report.step_time["total_s"] > report.step_time["compute_s"] > 0
+  json.dumps(report.as_dict(), default=str)    # the --json payload serializes
+  text = report.format()
+  assert "FITS" in text and "generated code" in text and "total = arguments" in text
+
+
+@pytest.mark.tpu_aot
+def test_two_slices_flag_dcn_collectives():
+  needs_libtpu()
+  report = compile_lib.compile_report(lm.get_config("cpu"),
+                                      target_lib.target_for("v5e-8", slices=2))
+  assert report.run["mesh"] == {"data": 2, "fsdp": 4, "tensor": 2}
+  assert report.notes and "mesh.dcn=data:2" in report.notes[0]
+  dcn = [c for c in report.collectives if c["dcn"]]
+  assert dcn and all("data" in c["axes"] for c in dcn)
+  assert report.communication["dcn_bytes_compiled"] > 0
+  # Gradients cross DCN once per step; their size is the per-device gradient shard.
+  grads = [c for c in dcn if c["kind"] == "all-reduce" and c["axes"] == "data"]
+  assert grads and grads[0]["payload_bytes"] >= report.analytic["params"] * 0.9
+
+
+@pytest.mark.tpu_aot
+def test_multislice_mesh_may_split_physical_axes():
+  # fsdp=32 x tensor=2 inside each 4x4x4 slice splits a physical axis; the hybrid (multi-slice)
+  # mesh failed on it ("Failed to find assignment for logical_axis_index 2") until make_mesh
+  # allowed splitting there too, as it does for one slice.
+  needs_libtpu()
+  tpu = target_lib.target_for("v5p-128", slices=2)
+  mesh = sharding.make_mesh([("data", 1), ("fsdp", -1), ("tensor", 2)], [("data", 2)],
+                            list(tpu.devices))
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 32, "tensor": 2}
+  slice_of = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+  assert (slice_of[0] == 0).all() and (slice_of[1] == 1).all()   # DCN outermost on data
+
+
+@pytest.mark.tpu_aot
+def test_oversized_config_does_not_fit_with_the_compilers_figure(tmp_path):
+  needs_libtpu()
+  out = tmp_path / "report.json"
+  # A small batch: the parameters and optimizer state alone (~100 GiB) overflow 4 chips.
+  result = _compile_cli("--config=experiments/lm.py:size=7b", "--topology=v5e-4",
+                        "--config.data.global_batch_size=8", "--config.data.seq_len=128",
+                        f"--json={out}")
+  assert result.returncode == 1, result.stdout + result.stderr
+  assert "DOES NOT FIT" in result.stdout
+  report = json.loads(out.read_text())
+  assert report["verdict"] == "does not fit" and report["exit_code"] == 1
+  oom = report["out_of_memory"]
+  assert oom["required_bytes"] > oom["available_bytes"] > 15 * 2**30
+  assert "HBM" in oom["message"] or "hbm" in oom["message"]
+  # The analytic estimate agrees with the compiler's figure to a few percent here.
+  assert 0.8 < report["analytic"]["ratio_compiled_to_analytic"] < 1.25
+  assert "Traceback" not in result.stderr
+
+
+@pytest.mark.tpu_aot
+def test_planner_picks_a_plan_that_trains_on_8_simulated_devices(tmp_path):
+  needs_libtpu()
+  config = lm.get_config("cpu")
+  tpu = target_lib.target_for("v5e-16")
+  outcome = planner.search(config, tpu, budget_s=240, workers=2, presets=("fsdp",),
+                           remats=("none",), microbatches=(1,))
+  statuses = {c.label: c.status for c in outcome.candidates}
+  assert len(statuses) == 4 and set(statuses.values()) == {"fits"}, statuses  # fsdp 2..16
+  best = outcome.best
+  ranked = outcome.ranked
+  fastest = min(c.step_time["total_s"] for c in ranked)
+  assert best is ranked[0] and best.step_time["total_s"] <= fastest * (1 + planner.TIE)
+  assert "fits" in planner.format_ranking(outcome)
+  path = tmp_path / "plan.json"
+  text = planner.finish(outcome, str(path), ["x", "--config=experiments/lm.py:cpu"])
+  assert f"--plan={path}" in text and "scripts/tpu_pod.py run" in text
+  saved = json.loads(path.read_text())
+  assert saved["target"] == "v5litepod-16"
+  assert saved["mesh_on_target"] == best.mesh
+  assert "-1" in saved["overrides"]["mesh.ici"]   # scales to fewer devices
+  # Train two steps with the plan on this process's 8 simulated devices.
+  planned = plan_lib.apply_plan(lm.get_config("cpu"), str(path))
+  for key, value in saved["overrides"].items():
+    section, field = key.split(".")
+    assert planned[section][field] == value
+  planned.train.update(steps=2, log_every=1, eval_every=2, checkpoint_every=2, sample_tokens=0)
+  planned.data.eval_batches = 1
+  result = train.run(planned, str(tmp_path / "run"))
+  assert result.final_step == 2 and len(result.train_losses) == 2
+
+
+# --- CPU targets, lint and inputs: no libtpu needed ------------------------------------------
+
+def test_cli_compiles_for_simulated_host_devices(tmp_path):
+  out = tmp_path / "report.json"
+  result = _compile_cli("--config=experiments/lm.py:tiny", "--topology=cpu:8", f"--json={out}")
+  assert result.returncode == 0, result.stdout + result.stderr
+  report = json.loads(out.read_text())
+  assert report["target"]["kind"] == "cpu" and report["target"]["devices"] == 8
+  assert report["verdict"] == "no chip" and report["memory"]["hbm"] is None
+  assert report["run"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+  m = report["memory"]
+  assert m["total"] == (m["arguments"] + m["outputs"] + m["temporaries"] + m["generated_code"]
+                        - m["aliased"])
+  # CPU has no reduce-scatter: gradients come as (tuple-typed) all-reduces.
+  assert any(c["kind"] == "all-reduce" for c in report["collectives"])
+  assert "compiled (a CPU target" in result.stdout
+
+
+def test_cpu_target_reports_slices_as_dcn():
+  report = compile_lib.compile_report(lm.get_config("tiny"), _cpu_target(4, slices=2))
+  assert report.run["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert any(c["dcn"] and "data" in c["axes"] for c in report.collectives)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    # A parameter dimension the mesh axes do not divide: names the knob.
+    ({"sharding.preset": "tp", "mesh.ici": "data:1,tensor:8"},
+     "kv_heads) has size 2, not divisible by tensor=8"),
+    # Activations only (heads kept whole at rest): found while tracing, before compiling.
+    ({"sharding.preset": "tp", "mesh.ici": "data:1,tensor:8",
+      "sharding.param_overrides": "heads=none,kv_heads=none"},
+     "sharding.activation_overrides='heads=none'"),
+    ({"data.global_batch_size": 10}, "use a multiple of 4"),
+    ({"sharding.preset": "dp", "sharding.replicated_action": "fail"},
+     "use a preset that shards parameters"),
+    ({"mesh.dcn": "data:2"}, "pass --slices=2"),
+])
+def test_lint_errors_name_the_fix(overrides, expected):
+  config = plan_lib.apply_overrides(lm.get_config("tiny"), overrides)
+  with pytest.raises(compile_lib.LintError, match=re.escape(expected)):
+    compile_lib.compile_report(config, _cpu_target())
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--config=experiments/vit.py:tiny", "--topology=cpu:8"], "reports on the Llama LM only"),
+    (["--topology=v5p-7"], "unknown TPU accelerator type 'v5p-7'"),
+    (["--topology=v5p-64", "--slices=0"], "--slices=0"),
+    (["--topology=cpu:x"], "write cpu:N"),
+    (["--topology=cpu:8", "--config.data.global_batch_size=10"], "use a multiple of 4"),
+    ([], "--topology is required"),
+])
+def test_cli_mistakes_are_one_error_line(args, expected):
+  result = _compile_cli("--config=experiments/lm.py:tiny", *args)
+  assert result.returncode == 2, result.stdout + result.stderr
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and expected in errors[0], result.stderr
+  assert "Traceback" not in result.stderr
+
+
+def test_out_of_memory_messages_parse():
+  old = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+         "space hbm. Used 24.55G of 15.75G hbm. Exceeded hbm capacity by 8.80G.")
+  new = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+         "temporaries (31.24G) exceeds available HBM (15.75G).")
+  a, b = compile_lib.parse_out_of_memory(old), compile_lib.parse_out_of_memory(new)
+  assert a["required_bytes"] == pytest.approx(24.55 * 2**30)
+  assert a["available_bytes"] == b["available_bytes"] == pytest.approx(15.75 * 2**30)
+  assert b["required_bytes"] == pytest.approx(31.24 * 2**30)
+  assert compile_lib.parse_out_of_memory("INTERNAL: something else") is None
+
+
+# --- the HLO collective parser ---------------------------------------------------------------
+
+_HLO = """HloModule jit_train_step, is_scheduled=true, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%all-reduce-scatter.1 (input.1: bf16[64,16]) -> bf16[16,16] {
+  %input.1 = bf16[64,16]{1,0:T(8,128)(2,1)} parameter(0)
+  %all-reduce.9 = bf16[64,16]{1,0:T(8,128)(2,1)} all-reduce(%input.1), channel_id=3, replica_groups={{0,2,4,6},{1,3,5,7}}, use_global_device_ids=true, to_apply=%add
+  ROOT %slice.1 = bf16[16,16]{1,0} slice(%all-reduce.9), slice={[0:16], [0:16]}
+}
+
+%body (p.1: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p.1 = (s32[], f32[8,16]{1,0}) parameter(0)
+  %v.1 = f32[8,16]{1,0} get-tuple-element(%p.1), index=1
+  %all-gather.1 = f32[8,64]{1,0} all-gather(%v.1), channel_id=1, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={1}, use_global_device_ids=true
+  %all-reduce.2 = (f32[8,16]{1,0}, f32[4]{0}) all-reduce(%v.1, %v.1), channel_id=2, replica_groups=[4,2]<=[8], use_global_device_ids=true, to_apply=%add
+  %fusion.3 = bf16[16,16]{1,0} fusion(%v.1), kind=kCustom, calls=%all-reduce-scatter.1
+  ROOT %t.1 = (s32[], f32[8,16]{1,0}) tuple(%p.1, %v.1)
+}
+
+%cond (p.2: (s32[], f32[8,16])) -> pred[] {
+  %p.2 = (s32[], f32[8,16]{1,0}) parameter(0)
+  %constant.7 = s32[]{:T(128)} constant(4)
+  %i.2 = s32[] get-tuple-element(%p.2), index=0
+  ROOT %lt.2 = pred[] compare(%i.2, %constant.7), direction=LT
+}
+
+ENTRY %main (a.1: f32[8,16]) -> f32[8,16] {
+  %a.1 = f32[8,16]{1,0} parameter(0)
+  %t.2 = (s32[], f32[8,16]{1,0}) tuple(%a.1, %a.1)
+  %while.1 = (s32[], f32[8,16]{1,0}) while(%t.2), condition=%cond, body=%body
+  %collective-permute-start.1 = (f32[8,16]{1,0}, f32[8,16]{1,0}, u32[], u32[]) collective-permute-start(%a.1), channel_id=5, source_target_pairs={{0,1},{1,0}}
+  %collective-permute-done.1 = f32[8,16]{1,0} collective-permute-done(%collective-permute-start.1)
+  %all-reduce-start.1 = f32[8,16]{1,0} all-reduce-start(%a.1), channel_id=6, replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}, use_global_device_ids=true, to_apply=%add
+  %all-reduce-done.1 = f32[8,16]{1,0} all-reduce-done(%all-reduce-start.1)
+  %send.1 = (f32[4,8]{1,0}, u32[], token[]) send(%a.1, %after-all.1), channel_id=9, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
+  ROOT %r = f32[8,16]{1,0} copy(%a.1)
+}
+"""
+
+
+def test_collectives_parser_reads_every_form():
+  found = {c.name: c for c in collectives.parse(_HLO, [("fsdp", 4), ("tensor", 2)])}
+  gather, grads = found["all-gather.1"], found["all-reduce.2"]
+  assert (gather.kind, gather.axes, gather.payload_bytes, gather.count) == (
+      "all-gather", ("fsdp",), 8 * 64 * 4, 4)                # iota groups; 4 loop trips
+  assert (grads.kind, grads.axes, grads.payload_bytes, grads.count) == (
+      "all-reduce", ("tensor",), 8 * 16 * 4 + 4 * 4, 4)      # tuple-typed (CPU style)
+  scatter = found["all-reduce.9"]                            # TPU: fusion -> all-reduce-scatter
+  assert (scatter.kind, scatter.axes, scatter.payload_bytes, scatter.count) == (
+      "reduce-scatter", ("fsdp",), 64 * 16 * 2, 4)
+  permute = found["collective-permute-start.1"]
+  assert (permute.kind, permute.axes, permute.payload_bytes, permute.count) == (
+      "collective-permute", ("tensor",), 8 * 16 * 4, 1)
+  mesh_form = found["all-reduce-start.1"]                     # mesh form with device_ids
+  assert (mesh_form.kind, mesh_form.axes, mesh_form.group_size) == ("all-reduce", ("fsdp",), 4)
+  assert "all-reduce-done.1" not in found
+  assert gather.moved_bytes == pytest.approx(8 * 64 * 4 * 3 / 4)
+  assert grads.moved_bytes == pytest.approx(2 * 528 * 1 / 2)
+  summary = {(s.kind, s.axes): s for s in collectives.summarize(found.values())}
+  assert summary[("all-gather", "fsdp")].executions == 4
+
+
+def test_collectives_parser_reads_megascale_transfers_as_dcn():
+  # Two slices of 8 devices on a data(DCN)=2 x fsdp=4 x tensor=2 mesh; per-slice program.
+  slice_ids = [0] * 8 + [1] * 8
+  found = {c.name: c for c in collectives.parse(_HLO, [("data", 2), ("fsdp", 4), ("tensor", 2)],
+                                                slice_ids)}
+  send = found["send.1"]
+  assert (send.kind, send.axes, send.slices_spanned) == ("all-reduce", ("data",), 2)
+  assert send.dcn_bytes == pytest.approx(2 * 4 * 8 * 4 / 2) and send.ici_bytes == 0
+  # ids of the per-slice program index slice 0's devices: groups stay inside a slice.
+  assert found["all-gather.1"].axes == ("fsdp",) and found["all-gather.1"].dcn_bytes == 0
+
+
+# --- plan files ------------------------------------------------------------------------------
+
+def test_plan_files_apply_and_refuse_clearly(tmp_path):
+  path = tmp_path / "plan.json"
+  plan_lib.write_plan(str(path), {"overrides": {"mesh.ici": "data:2,fsdp:-1,tensor:1",
+                                                "sharding.preset": "fsdp",
+                                                "model.remat": "full",
+                                                "train.microbatches": 2}})
+  config = lm.get_config("cpu")
+  planned = plan_lib.apply_plan(config, str(path))
+  assert (planned.mesh.ici, planned.sharding.preset, planned.model.remat,
+          planned.train.microbatches) == ("data:2,fsdp:-1,tensor:1", "fsdp", "full", 2)
+  assert config.train.microbatches == 1                     # the original is untouched
+  spec = train.build(planned).spec                           # scales to 8 devices: fsdp=4
+  assert dict(spec.mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+  with pytest.raises(ConfigError, match="no such file"):
+    plan_lib.apply_plan(config, str(tmp_path / "missing.json"))
+  (tmp_path / "bad.json").write_text("{not json")
+  with pytest.raises(ConfigError, match="not a readable JSON plan"):
+    plan_lib.apply_plan(config, str(tmp_path / "bad.json"))
+  (tmp_path / "field.json").write_text(json.dumps({"overrides": {"train.microbatch": 2}}))
+  with pytest.raises(ConfigError, match="names no config field"):
+    plan_lib.apply_plan(config, str(tmp_path / "field.json"))
+  (tmp_path / "type.json").write_text(json.dumps({"overrides": {"train.microbatches": "two"}}))
+  with pytest.raises(ConfigError, match="does not fit config.train.microbatches"):
+    plan_lib.apply_plan(config, str(tmp_path / "type.json"))
+  assert plan_lib.scalable_ici({"data": 8, "fsdp": 2, "tensor": 1}) == "data:-1,fsdp:2,tensor:1"
+  assert plan_lib.scalable_ici({"data": 1, "fsdp": 32, "tensor": 2}) == "data:1,fsdp:-1,tensor:2"
+
+
+def test_planner_enumerates_each_preset_where_its_axes_work():
+  config = lm.get_config("tiny")
+  found = planner.enumerate_candidates(config, _cpu_target(8), remats=("none",),
+                                       microbatches=(1, 3))
+  meshes = {(c.overrides["sharding.preset"], c.overrides["mesh.ici"]) for c in found}
+  assert ("dp", "data:8,fsdp:1,tensor:1") in meshes
+  assert ("fsdp_tp", "data:1,fsdp:4,tensor:2") in meshes
+  assert not any(p == "dp" and "tensor:1" not in ici for p, ici in meshes)
+  assert {c.overrides["train.microbatches"] for c in found} == {1}   # 3 does not divide 16
+  assert len(meshes) == 1 + 3 + 3 + 3   # dp; fsdp 2,4,8; tp 2,4,8; fsdp_tp 2x2, 2x4, 4x2
+  planner.prepare(config, found, _cpu_target(8))
+  lint = [c for c in found if c.status == "lint"]
+  assert lint and all("kv_heads" in c.reason or "heads" in c.reason for c in lint)
+  assert all(c.analytic_bytes for c in found if c.status == "pending")
+
+
+def test_planner_compiles_the_given_layout_first():
+  config = lm.get_config("tiny")   # data:1,fsdp:-1,tensor:2 -> fsdp 4 x tensor 2, fsdp_tp
+  target = _cpu_target(8)
+  found = planner.enumerate_candidates(config, target, remats=("none",), microbatches=(1, 2))
+  planner._mark_given(config, found, target)  # pylint: disable=protected-access
+  [given] = [c for c in found if c.given]
+  assert given.mesh == {"data": 1, "fsdp": 4, "tensor": 2} and "(given)" in given.label
+  assert given.overrides["train.microbatches"] == 1
+  planner.prepare(config, found, target)
+  other = next(c for c in found if c.status == "pending" and not c.given)
+  compiled = []
+  planner.compile_candidates(config, [other, given], target, budget_s=300, workers=1,
+                             log=compiled.append)
+  assert "(given)" in compiled[0] and len(compiled) == 2, compiled
+  assert given.status == "fits" and given.compiled_bytes > 0
+
+
+def test_plan_that_runs_out_of_budget_exits_and_says_so():
+  # Compiles left in the queue when the budget ends must not keep the process alive.
+  result = _compile_cli("--config=experiments/lm.py:tiny", "--topology=cpu:8", "--plan",
+                        "--plan_budget_s=0.5", "--plan_workers=1", "--plan_remat=none")
+  assert result.returncode == 1, result.stdout + result.stderr
+  assert "budget" in result.stdout
+  [error] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert "not compiled within --plan_budget_s=0.5: raise it" in error
+
+
+def test_compile_candidates_left_over_do_not_keep_the_process_alive():
+  # 300 queued configs (~330 kB) overflow the pipe to the workers; before the fix the queue's
+  # feeder thread blocked interpreter exit forever once the budget ended.
+  script = textwrap.dedent("""
+      import copy
+      from experiments import lm
+      from toolkit.pod import planner, target
+      config, cpu = lm.get_config("tiny"), target.target_for("cpu:8")
+      [first] = planner.enumerate_candidates(config, cpu, presets=("fsdp_tp",), remats=("none",),
+                                             microbatches=(1,))[:1]
+      first.status = "pending"
+      pending = [copy.deepcopy(first) for _ in range(300)]
+      planner.compile_candidates(config, pending, cpu, budget_s=0.2, workers=1, log=print)
+      print("left", sum(c.status == "budget" for c in pending))
+      """)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=120, check=False)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert re.search(r"^left \d+$", result.stdout, re.M)

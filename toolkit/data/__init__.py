@@ -1,0 +1,10 @@
+"""Input data: byte-level text and synthetic tokens (`text`), pre-tokenized shards (`shards`),
+images (`images`), Grain pipelines over them (`grain_batches`), and how batches reach the
+devices (`feed`). `from_config(config, spec)` picks the batches a run reads."""
+from toolkit.data.feed import BatchIterator, local_rows
+from toolkit.data.grain_batches import GrainBatches
+from toolkit.data.inputs import from_config
+from toolkit.data.text import Batches, decode, encode
+
+__all__ = ["Batches", "BatchIterator", "GrainBatches", "decode", "encode", "from_config",
+           "local_rows"]

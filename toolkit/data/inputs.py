@@ -1,0 +1,47 @@
+"""A run's inputs from its config: which batches class serves `data.source`."""
+from __future__ import annotations
+
+import numpy as np
+from jax.sharding import NamedSharding
+
+from toolkit.data import images, shards, text
+from toolkit.data.grain_batches import GrainBatches, ImagesToModel, TokensToModel, order_seed
+from toolkit.errors import ConfigError
+
+
+def from_config(config, spec) -> text.Batches | GrainBatches:
+  """The run's batches: `text.Batches` for the built-in text and synthetic tokens, Grain for
+  token shards and images. `spec` is the resolved config (toolkit.training.config.RunSpec:
+  mesh, rules, model, task). Raises ConfigError naming a missing or bad input file."""
+  d, mesh, rules = config.data, spec.mesh, spec.rules
+  if spec.task == "lm" and d.source != "tokens":
+    batch_sharding = NamedSharding(mesh, rules.activation_spec(("batch", None), mesh))
+    return text.Batches(text.TokenSource.from_config(d, spec.model.vocab_size), config.seed,
+                        d.seq_len, d.global_batch_size, d.eval_batches, batch_sharding)
+  common = dict(seed=config.seed, global_batch_size=d.global_batch_size, mesh=mesh, rules=rules,
+                worker_count=d.worker_count, prefetch=d.prefetch)
+  if spec.task == "lm":
+    train = shards.TokenWindows(shards.TokenStream(d.path, "train"), d.seq_len)
+    held_out = shards.TokenWindows(shards.TokenStream(d.path, "val"), d.seq_len)
+    if train.stream.vocab_size > spec.model.vocab_size:
+      padded = -(-train.stream.vocab_size // 128) * 128  # divisible by the usual mesh axes
+      raise ConfigError(f"{d.path}: the shards' vocabulary has {train.stream.vocab_size} ids "
+                        f"but model.vocab_size={spec.model.vocab_size}; set "
+                        f"--config.model.vocab_size={padded} (or any size >= "
+                        f"{train.stream.vocab_size} that the mesh divides)")
+    row = ((d.seq_len,), np.int32)
+    return GrainBatches(train, held_out, [TokensToModel()], [TokensToModel()],
+                        {"inputs": row, "targets": row}, eval_batches=d.eval_batches,
+                        pad_eval=False, **common)
+  m = spec.model
+  shape = images.ImageShape(m.image_size, m.channels, m.num_classes)
+  train, held_out = images.load_splits(d, shape)
+  normalize = images.Normalize(d.mean, d.std)
+  train_ops = [normalize, ImagesToModel()]
+  if d.crop_padding or d.flip:
+    train_ops.insert(0, images.RandomCropFlip(d.crop_padding, d.flip,
+                                              order_seed(config.seed, 2)))
+  row_specs = {"images": ((m.image_size, m.image_size, m.channels), np.float32),
+               "labels": ((), np.int32), "weights": ((), np.float32)}
+  return GrainBatches(train, held_out, train_ops, [normalize, ImagesToModel()], row_specs,
+                      eval_batches=None, pad_eval=True, **common)

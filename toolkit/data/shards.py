@@ -1,0 +1,214 @@
+"""Pre-tokenized text shards: the format `scripts/prepare_text.py` writes and the training
+pipeline reads.
+
+A shard folder holds flat little-endian token arrays in nanoGPT's style (`train_00000.bin`,
+`val_00000.bin`, ... no header) and one `meta.json` describing them:
+
+  {"format": "meshkit-tokens-v1", "dtype": "uint16", "vocab_size": 257, "eot_id": 256,
+   "tokenizer": "bytes" | "<path of tokenizer.json>",
+   "splits": {"train": [{"file": "train_00000.bin", "tokens": 123}, ...], "val": [...]}}
+
+Every document is followed by the end-of-document token `eot_id`, so the concatenated stream
+can be cut into fixed-length windows anywhere (documents are packed; the model sees the
+boundary token). Byte-level tokenization is built in: ids 0-255 are bytes, 256 ends a document.
+Any Hugging Face `tokenizer.json` works through the `tokenizers` library.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from toolkit.errors import ConfigError
+
+FORMAT = "meshkit-tokens-v1"
+META = "meta.json"
+BYTE_EOT = 256
+_EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+
+class Tokenizer:
+  """Byte-level (`path == "bytes"`) or a Hugging Face tokenizer.json."""
+
+  def __init__(self, path: str = "bytes", eot_token: str = ""):
+    self.path = path
+    if path == "bytes":
+      self._hf = None
+      self.vocab_size, self.eot_id = 257, BYTE_EOT
+      return
+    try:
+      import tokenizers  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      raise ConfigError(f"--tokenizer={path!r} needs the `tokenizers` library: "
+                        f"pip install -e '.[text]'") from None
+    if not os.path.isfile(path):
+      raise ConfigError(f"--tokenizer={path!r} is not a file; give a tokenizer.json or 'bytes'")
+    try:
+      self._hf = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # pylint: disable=broad-except  # the library raises plain Exception
+      raise ConfigError(f"--tokenizer={path!r} is not a valid tokenizer.json ({e})") from None
+    self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
+    names = (eot_token,) if eot_token else _EOT_CANDIDATES
+    ids = [self._hf.token_to_id(name) for name in names]
+    found = [i for i in ids if i is not None]
+    if not found:
+      raise ConfigError(f"--tokenizer={path!r} has no end-of-document token "
+                        f"{' or '.join(names)}; name one with --eot_token")
+    self.eot_id = found[0]
+
+  @property
+  def dtype(self) -> np.dtype:
+    return np.dtype(np.uint16 if self.vocab_size <= 2**16 else np.uint32)
+
+  def encode(self, text: str) -> np.ndarray:
+    """Token ids of `text`, without the end-of-document token."""
+    if self._hf is None:
+      return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
+    return np.asarray(self._hf.encode(text, add_special_tokens=False).ids, np.int64)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    if self._hf is None:
+      return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+    return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def read_meta(directory: str, field: str = "data.path") -> dict:
+  """meta.json of a shard folder, checked; errors name the file and the fix."""
+  path = os.path.join(directory, META)
+  if not os.path.isdir(directory):
+    raise ConfigError(f"{field}={directory!r} is not a directory; give a folder written by "
+                      f"scripts/prepare_text.py")
+  if not os.path.isfile(path):
+    raise ConfigError(f"{path} is missing: {field} must be a folder written by "
+                      f"scripts/prepare_text.py")
+  try:
+    with open(path) as f:
+      meta = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ConfigError(f"{path} is not valid JSON ({e}); rewrite the shards with "
+                      f"scripts/prepare_text.py") from None
+  if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    raise ConfigError(f"{path}: format is not {FORMAT!r}; rewrite the shards with "
+                      f"scripts/prepare_text.py")
+  return meta
+
+
+class TokenStream:
+  """The token files of one split as one random-access stream (memory-mapped, lazily opened
+  so the object pickles cheaply into Grain worker processes)."""
+
+  def __init__(self, directory: str, split: str, field: str = "data.path"):
+    meta = read_meta(directory, field)
+    self.directory, self.split = directory, split
+    self.dtype = np.dtype(meta["dtype"])
+    self.vocab_size, self.eot_id = int(meta["vocab_size"]), int(meta["eot_id"])
+    entries = meta["splits"].get(split) or []
+    if not entries or sum(int(e["tokens"]) for e in entries) == 0:
+      raise ConfigError(f"{os.path.join(directory, META)} lists no {split!r} tokens; the split "
+                        f"is empty: give more text (or a larger --val_fraction for 'val')")
+    self.files, counts = [], []
+    for entry in entries:
+      path = os.path.join(directory, entry["file"])
+      if not os.path.isfile(path):
+        raise ConfigError(f"shard {path} is missing (listed in {META}); rewrite the shards with "
+                          f"scripts/prepare_text.py")
+      expected = int(entry["tokens"]) * self.dtype.itemsize
+      if os.path.getsize(path) != expected:
+        raise ConfigError(f"shard {path} is corrupt: {os.path.getsize(path)} bytes, {META} says "
+                          f"{entry['tokens']} {self.dtype.name} tokens ({expected} bytes); "
+                          f"rewrite the shards with scripts/prepare_text.py")
+      self.files.append(path)
+      counts.append(int(entry["tokens"]))
+    self.starts = np.concatenate([[0], np.cumsum(counts)])
+    self._maps: list[np.ndarray] | None = None
+
+  def __len__(self) -> int:
+    return int(self.starts[-1])
+
+  def __getstate__(self):
+    return {**self.__dict__, "_maps": None}
+
+  def _open(self) -> list[np.ndarray]:
+    if self._maps is None:
+      self._maps = [np.memmap(path, dtype=self.dtype, mode="r") for path in self.files]
+    return self._maps
+
+  def read(self, start: int, count: int) -> np.ndarray:
+    """Tokens [start, start + count) as int32, across file boundaries; checks each id is
+    below the vocabulary so a corrupt file is named, not trained on."""
+    maps, pieces, position = self._open(), [], start
+    while position < start + count:
+      index = int(np.searchsorted(self.starts, position, side="right")) - 1
+      offset = position - self.starts[index]
+      take = min(start + count - position, self.starts[index + 1] - position)
+      piece = np.asarray(maps[index][offset:offset + take], dtype=np.int32)
+      if piece.size and int(piece.max()) >= self.vocab_size:
+        raise ConfigError(f"shard {self.files[index]} holds token id {int(piece.max())}, beyond "
+                          f"its vocabulary of {self.vocab_size} ({META}); the file is corrupt: "
+                          f"rewrite the shards with scripts/prepare_text.py")
+      pieces.append(piece)
+      position += take
+    return np.concatenate(pieces)
+
+
+class TokenWindows:
+  """Fixed-length training windows of a token stream: window i is tokens
+  [i * seq_len, i * seq_len + seq_len + 1) (inputs and shifted targets). A Grain data source."""
+
+  def __init__(self, stream: TokenStream, seq_len: int):
+    self.stream, self.seq_len = stream, seq_len
+    self.count = (len(stream) - 1) // seq_len
+    if self.count < 1:
+      raise ConfigError(f"the {stream.split!r} split of {stream.directory} has {len(stream)} "
+                        f"tokens, fewer than data.seq_len + 1 = {seq_len + 1}; give more text or "
+                        f"a shorter data.seq_len")
+
+  def __len__(self) -> int:
+    return self.count
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    return {"tokens": self.stream.read(int(index) * self.seq_len, self.seq_len + 1)}
+
+  def __repr__(self) -> str:  # Grain keeps it in the iterator state
+    return f"TokenWindows({self.stream.directory!r}, {self.stream.split!r}, {self.seq_len})"
+
+
+def write_split(directory: str, split: str, documents, tokenizer: Tokenizer, shard_tokens: int,
+                progress=None) -> list[dict]:
+  """Encodes `documents` (an iterable of strings) into `split_NNNNN.bin` files of at most
+  `shard_tokens` tokens each; returns their meta entries."""
+  entries: list[dict] = []
+  buffer: list[np.ndarray] = []
+  buffered = 0
+
+  def flush(final: bool) -> None:
+    nonlocal buffer, buffered
+    tokens = np.concatenate(buffer) if buffer else np.zeros(0, np.int64)
+    while tokens.size >= shard_tokens or (final and tokens.size):
+      chunk, tokens = tokens[:shard_tokens], tokens[shard_tokens:]
+      name = f"{split}_{len(entries):05d}.bin"
+      chunk.astype(tokenizer.dtype).tofile(os.path.join(directory, name))
+      entries.append({"file": name, "tokens": int(chunk.size)})
+    buffer, buffered = ([tokens] if tokens.size else []), int(tokens.size)
+
+  for count, text in enumerate(documents, 1):
+    ids = tokenizer.encode(text)
+    buffer.append(np.append(ids, tokenizer.eot_id))
+    buffered += ids.size + 1
+    if buffered >= shard_tokens:
+      flush(final=False)
+    if progress is not None:
+      progress(count, int(ids.size + 1))
+  flush(final=True)
+  return entries
+
+
+def write_meta(directory: str, tokenizer: Tokenizer, splits: dict[str, list[dict]]) -> str:
+  path = os.path.join(directory, META)
+  with open(path, "w") as f:
+    json.dump({"format": FORMAT, "dtype": tokenizer.dtype.name,
+               "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
+               "tokenizer": tokenizer.path, "splits": splits}, f, indent=2)
+  return path

@@ -1,0 +1,82 @@
+"""Generation requests as JSON: prompts files, request objects and result records, shared by
+offline generation (toolkit.generate) and the server (toolkit.serve)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from toolkit.data import text
+from toolkit.errors import ConfigError
+from toolkit.inference import engine as engine_lib
+from toolkit.inference.sampling import RequestError, SamplingParams
+
+
+def read_requests(path: str, defaults: SamplingParams, vocab_size: int
+                  ) -> tuple[list[dict], list[np.ndarray], list[SamplingParams]]:
+  """Parses a prompts file; every mistake is a ConfigError naming the file and line."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"--prompts_file={path!r} does not exist; give a JSONL file with one "
+                      f'{{"prompt": "..."}} object per line')
+  lines, prompts, params = [], [], []
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      where = f"{path} line {number}"
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ConfigError(f"{where} is not valid JSON ({e.msg}); write one JSON object per "
+                          f"line") from None
+      try:
+        prompt = parse_prompt(record)
+        fields = {k: v for k, v in record.items() if k not in ("prompt", "tokens", "id")}
+        fields.setdefault("seed", defaults.seed + len(prompts))
+        params.append(SamplingParams.from_dict(fields, vocab_size, defaults))
+      except RequestError as e:
+        raise ConfigError(f"{where}: {e}") from None
+      lines.append(record)
+      prompts.append(prompt)
+  if not prompts:
+    raise ConfigError(f"--prompts_file={path!r} holds no prompts; give one JSON object per line")
+  return lines, prompts, params
+
+
+def parse_prompt(record) -> np.ndarray:
+  """Token ids from a request object's "prompt" (text) or "tokens" (ids)."""
+  if not isinstance(record, dict):
+    raise RequestError('the request must be a JSON object such as {"prompt": "The "}')
+  if ("prompt" in record) == ("tokens" in record):
+    raise RequestError('give exactly one of "prompt" (text) or "tokens" (a list of ids)')
+  if "prompt" in record:
+    if not isinstance(record["prompt"], str):
+      raise RequestError(f'"prompt" must be a string, not {type(record["prompt"]).__name__}')
+    return text.encode(record["prompt"])
+  tokens = record["tokens"]
+  if not isinstance(tokens, list) or not all(
+      isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    raise RequestError('"tokens" must be a list of integer token ids')
+  return np.asarray(tokens, np.int32)
+
+
+def result_record(result: engine_lib.Result, request: dict | None = None) -> dict:
+  record = {"completion": text.decode(result.tokens), "tokens": result.tokens,
+            "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": len(result.tokens)}
+  if request is not None and "id" in request:
+    record = {"id": request["id"], **record}
+  return record
+
+
+def sampling_defaults(max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
+                      stop_tokens: list[str]) -> SamplingParams:
+  try:
+    stop = tuple(int(t) for t in stop_tokens)
+  except ValueError:
+    raise ConfigError(f"--stop_tokens={','.join(stop_tokens)}: give integer token ids, e.g. "
+                      f"--stop_tokens=10") from None
+  return dataclasses.replace(SamplingParams(), max_tokens=max_tokens, temperature=temperature,
+                             top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop)

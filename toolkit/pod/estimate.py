@@ -1,0 +1,223 @@
+"""Analytic per-device estimates of a training step: memory, FLOPs, communication, step time.
+
+These are the numbers one writes on a whiteboard, next to which `toolkit.compile` puts what
+the compiler reports; the planner (`toolkit.pod.planner`) uses them to prune and order candidates
+before compiling any. All figures are per device (one JAX device = one chip) and per step.
+
+Memory (bytes):
+  params        the sharding report's bytes per device (exact for the rules and mesh)
+  optimizer     AdamW's two moments, shaped and sharded like the parameters
+  gradients     one copy in the parameter dtype; with micro-batches also a float32 accumulator
+  activations   what the backward pass keeps per layer under the remat policy, for all layers,
+                plus one layer's full set while it is recomputed or differentiated:
+                  none       everything (norms, q/k/v before and after rotary, attention
+                             probabilities (heads x length per token, float32), MLP hidden)
+                  save_dots  the layer input and the outputs of the weight matmuls
+                             (`dots_with_no_batch_dims_saveable`)
+                  full       the layer input only
+  logits        float32 logits, their gradient and a compute-dtype copy (vocab over tensor)
+  weights_in_use  parameters gathered over fsdp and cast for compute: a layer being used, the
+                next one prefetched and the gradient before it is reduce-scattered, plus the
+                embedding tables
+Communication (bytes sent per device, ring algorithms): parameter all-gathers over fsdp
+(forward and backward, per micro-batch), gradient reduce-scatter over fsdp and all-reduce over
+the other batch axes, tensor-parallel all-reduces of the residual stream (two per layer
+forward, two backward, two more when `full` remat recomputes them); the part across slices is
+counted for a hierarchical algorithm.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+import sharding
+from models import LlamaConfig
+
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """What the estimates need to know about one run on one mesh."""
+  model: LlamaConfig
+  mesh_shape: dict[str, int]          # axis -> size (DCN part included)
+  dcn_shape: dict[str, int]           # axis -> slices along it (empty: one slice)
+  rules: sharding.Rules
+  global_batch_size: int
+  seq_len: int
+  microbatches: int
+  param_bytes_per_device: int         # from the sharding report
+  param_count: int
+
+  @property
+  def devices(self) -> int:
+    return math.prod(self.mesh_shape.values())
+
+  def activation_ways(self, logical: str) -> int:
+    return math.prod(self.mesh_shape[a] for a in self.rules.activations[logical]
+                     if a in self.mesh_shape)
+
+  def param_ways(self, logical: str) -> int:
+    return math.prod(self.mesh_shape[a] for a in self.rules.params[logical]
+                     if a in self.mesh_shape)
+
+  @property
+  def tokens_per_device(self) -> float:
+    """Tokens of one micro-batch that one device processes (rows split over batch axes)."""
+    rows = self.global_batch_size / self.microbatches / self.activation_ways("batch")
+    return rows * self.seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+  params: float
+  optimizer: float
+  gradients: float
+  activations: float
+  logits: float
+  weights_in_use: float
+
+  @property
+  def total(self) -> float:
+    return (self.params + self.optimizer + self.gradients + self.activations + self.logits
+            + self.weights_in_use)
+
+  def as_dict(self) -> dict[str, float]:
+    return {**dataclasses.asdict(self), "total": self.total}
+
+
+def _layer_matmul_params(m: LlamaConfig) -> int:
+  hd = m.resolved_head_dim
+  return m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.d_model * m.mlp_dim
+
+
+def _per_token_layer_bytes(shape: Shape, policy: str) -> float:
+  """Bytes per token that one layer keeps for the backward pass under `policy`."""
+  m = shape.model
+  a = _BYTES[m.compute_dtype]
+  d, hd = m.d_model, m.resolved_head_dim
+  heads = m.n_heads * hd / shape.activation_ways("heads")
+  kv = 2 * m.n_kv_heads * hd / shape.activation_ways("kv_heads")
+  mlp = m.mlp_dim / shape.activation_ways("mlp")
+  carry = d * a
+  if policy == "full":
+    return carry
+  if policy == "save_dots":
+    return carry + a * (heads + kv + d + 2 * mlp + d)
+  probabilities = (m.n_heads / shape.activation_ways("heads")) * shape.seq_len * (4 + a)
+  return (carry + a * (d + 2 * (heads + kv) + heads + 3 * d + 4 * mlp) + probabilities
+          + 2 * 4 * d)  # the norms' float32 intermediates
+
+
+def memory(shape: Shape) -> Memory:
+  m = shape.model
+  a = _BYTES[m.compute_dtype]
+  params = float(shape.param_bytes_per_device)
+  gradients = params
+  if shape.microbatches > 1:
+    gradients += params * 4 / _BYTES[m.param_dtype]   # the float32 accumulator
+  tokens = shape.tokens_per_device
+  kept = m.n_layers * _per_token_layer_bytes(shape, m.remat)
+  working = _per_token_layer_bytes(shape, "none") if m.remat != "none" else 0.0
+  activations = tokens * (kept + working)
+  vocab = m.vocab_size / shape.activation_ways("vocab")
+  logits = tokens * vocab * (4 + 4 + a)
+  tensor = shape.param_ways("mlp")
+  tables = 1 if m.tie_embeddings else 2
+  weights_in_use = a * (3 * _layer_matmul_params(m) / tensor
+                        + tables * m.vocab_size * m.d_model / shape.param_ways("vocab"))
+  return Memory(params=params, optimizer=2 * params, gradients=gradients,
+                activations=activations, logits=logits, weights_in_use=weights_in_use)
+
+
+def model_flops_per_step(shape: Shape) -> float:
+  """Training FLOPs of one step by the model's formula (`LlamaConfig.flops_per_token`)."""
+  return shape.model.flops_per_token(shape.seq_len) * shape.global_batch_size * shape.seq_len
+
+
+def executed_flops_per_device(shape: Shape) -> float:
+  """FLOPs one device executes: the formula plus what remat recomputes, divided over the
+  devices that split the work (batch axes x tensor); devices that only replicate work (an
+  axis neither the batch nor the tensor rules use) do it again."""
+  m = shape.model
+  hd = m.resolved_head_dim
+  per_token = m.flops_per_token(shape.seq_len)
+  attention_forward = 4 * m.n_layers * m.n_heads * hd * shape.seq_len
+  if m.remat == "full":
+    # Recomputed: every layer matmul but the MLP's down projection, whose output the backward
+    # pass does not need; and the attention scores and values.
+    per_token += (2 * m.n_layers * (_layer_matmul_params(m) - m.d_model * m.mlp_dim)
+                  + attention_forward)
+  elif m.remat == "save_dots":
+    per_token += attention_forward
+  split = shape.activation_ways("batch") * shape.activation_ways("mlp")
+  return per_token * shape.global_batch_size * shape.seq_len / split
+
+
+def communication(shape: Shape) -> tuple[float, float]:
+  """(ICI bytes, DCN bytes) one device sends per step, by the formulas in the docstring."""
+  m = shape.model
+  a, p = _BYTES[m.compute_dtype], _BYTES[m.param_dtype]
+  n = float(shape.param_count)
+  mesh, dcn = shape.mesh_shape, shape.dcn_shape
+  fsdp_axes = [x for x in shape.rules.params["embed"] if x in mesh]
+  f = math.prod(mesh[x] for x in fsdp_axes)
+  t = shape.param_ways("mlp")
+  batch_axes = [x for x in shape.rules.activations["batch"] if x in mesh]
+  # Gradients are reduced over batch axes the parameters are not split over.
+  replica_axes = [x for x in batch_axes if x not in fsdp_axes]
+  r = math.prod(mesh[x] for x in replica_axes)
+  micro = shape.microbatches
+  ici = dcn_bytes = 0.0
+
+  def split(volume: float, axes: list[str], scale: float) -> tuple[float, float]:
+    """A collective of `volume` bytes per device over `axes`: (ICI, DCN) bytes."""
+    size = math.prod(mesh[x] for x in axes)
+    slices = math.prod(dcn.get(x, 1) for x in axes)
+    if size <= 1:
+      return 0.0, 0.0
+    if slices <= 1:
+      return scale * volume * (size - 1) / size, 0.0
+    inside = size // slices
+    across = scale * volume * (slices - 1) / slices / inside
+    within = scale * volume * (inside - 1) / inside if inside > 1 else 0.0
+    return within, across
+
+  if f > 1:
+    for volume, scale in ((n / t * a, 2.0 * micro), (n / t * p, 1.0 * micro)):
+      i, d = split(volume, fsdp_axes, scale)  # all-gathers; the gradient reduce-scatter
+      ici, dcn_bytes = ici + i, dcn_bytes + d
+  if r > 1:
+    i, d = split(n / (f * t) * p, replica_axes, 2.0 * micro)
+    ici, dcn_bytes = ici + i, dcn_bytes + d
+  tensor = shape.activation_ways("mlp")
+  if tensor > 1:
+    per_layer = {"full": 6, "save_dots": 4, "none": 4}[m.remat]
+    volume = shape.tokens_per_device * m.d_model * a
+    ici += per_layer * m.n_layers * micro * 2 * volume * (tensor - 1) / tensor
+  return ici, dcn_bytes
+
+
+def step_seconds(flops_per_device: float, ici_bytes: float, dcn_bytes: float,
+                 peak_flops: float, ici_bandwidth: float, dcn_bandwidth: float
+                 ) -> dict[str, float]:
+  """Compute plus communication time, without overlap (an upper bound on a real step)."""
+  compute = flops_per_device / peak_flops if peak_flops else float("nan")
+  ici = ici_bytes / ici_bandwidth if ici_bandwidth else 0.0
+  dcn = dcn_bytes / dcn_bandwidth if dcn_bandwidth else 0.0
+  return {"compute_s": compute, "ici_s": ici, "dcn_s": dcn, "total_s": compute + ici + dcn}
+
+
+def shape_for(spec, config, report, num_slices: int = 1) -> Shape:
+  """The Shape of a resolved run (`toolkit.training.config.resolve`), its sharding report and its
+  number of slices (fills a -1 in mesh.dcn)."""
+  dcn = dict(sharding.parse_axis_sizes(config.mesh.dcn, "mesh.dcn")) if config.mesh.dcn else {}
+  if -1 in dcn.values():
+    known = math.prod(v for v in dcn.values() if v != -1)
+    dcn = {k: (num_slices // known if v == -1 else v) for k, v in dcn.items()}
+  param_count = sum(math.prod(r.shape) for r in report.rows)
+  return Shape(model=spec.model, mesh_shape=dict(spec.mesh.shape), dcn_shape=dcn,
+               rules=spec.rules, global_batch_size=config.data.global_batch_size,
+               seq_len=config.data.seq_len, microbatches=config.train.microbatches,
+               param_bytes_per_device=report.per_device_bytes, param_count=param_count)

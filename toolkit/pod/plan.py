@@ -1,0 +1,103 @@
+"""Plan files: the config overrides a search (`python -m toolkit.compile --plan`) picked.
+
+A plan is JSON; `overrides` maps dotted config fields to values and is all that training
+reads; the rest records where the plan came from:
+
+  {"meshkit_plan": 1,
+   "overrides": {"mesh.ici": "data:1,fsdp:-1,tensor:2", "mesh.dcn": "",
+                 "sharding.preset": "fsdp_tp", "model.remat": "save_dots",
+                 "train.microbatches": 1},
+   "target": "v5p-128", "slices": 1, "mesh_on_target": {"data": 1, "fsdp": 32, "tensor": 2},
+   "compiled": {...}, "config_argument": "experiments/lm.py:size=7b"}
+
+mesh.ici keeps a -1 on its largest data-like axis (fsdp, else data), so on the target it fills
+to exactly the searched size and on fewer devices (a CPU rehearsal) it scales down.
+
+  config = plan.apply_plan(config, "plan.json")   # a copy with the overrides set
+"""
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Sequence
+
+import ml_collections
+
+from toolkit.errors import ConfigError
+
+VERSION = 1
+FIELDS = ("mesh.ici", "mesh.dcn", "sharding.preset", "model.remat", "train.microbatches")
+
+
+def load_plan(path: str) -> dict:
+  """The plan at `path`, checked for shape; raises ConfigError naming the file and the fix."""
+  try:
+    with open(path) as f:
+      plan = json.load(f)
+  except FileNotFoundError:
+    raise ConfigError(f"--plan={path}: no such file; write one with python -m toolkit.compile "
+                      f"... --plan --plan_out={path}") from None
+  except (OSError, json.JSONDecodeError) as e:
+    raise ConfigError(f"--plan={path}: not a readable JSON plan ({e}); write one with "
+                      f"python -m toolkit.compile ... --plan") from None
+  if not isinstance(plan, dict) or not isinstance(plan.get("overrides"), dict):
+    raise ConfigError(f"--plan={path}: no 'overrides' object; is this a plan written by "
+                      f"python -m toolkit.compile --plan?")
+  if plan.get("meshkit_plan", VERSION) != VERSION:
+    raise ConfigError(f"--plan={path}: plan version {plan.get('meshkit_plan')!r}; this meshkit "
+                      f"reads version {VERSION}; write the plan again")
+  return plan
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: dict,
+                    where: str = "plan") -> ml_collections.ConfigDict:
+  """A copy of `config` with dotted fields set, type-checked like --config.FIELD flags."""
+  config = copy.deepcopy(config)
+  for key, value in overrides.items():
+    node = config
+    *parents, field = str(key).split(".")
+    for part in parents:
+      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        raise ConfigError(f"{where}: override {key!r} names no config section; known "
+                          f"sections: {', '.join(sorted(config.keys()))}")
+      node = node[part]
+    if not isinstance(node, ml_collections.ConfigDict) or field not in node:
+      raise ConfigError(f"{where}: override {key!r} names no config field")
+    try:
+      node[field] = value  # ConfigDict checks the type, as for a --config.FIELD flag
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"{where}: override {key}={value!r} does not fit config.{key} "
+                        f"(now {node[field]!r}): {e}") from None
+  return config
+
+
+def apply_plan(config: ml_collections.ConfigDict, path: str,
+               flagged: Sequence[str] = ()) -> ml_collections.ConfigDict:
+  """A copy of `config` with the plan's overrides; validate it with `toolkit.training.config.resolve`
+  (`toolkit.training.run` does). `flagged`: fields also set by --config.FIELD flags, which
+  would be silently replaced, so they are refused."""
+  overrides = load_plan(path)["overrides"]
+  both = [field for field in flagged if field in overrides]
+  if both:
+    raise ConfigError(f"--config.{both[0]} and --plan={path} both set {both[0]}; drop the flag "
+                      f"or edit the plan's overrides")
+  return apply_overrides(config, overrides, where=f"--plan={path}")
+
+
+def scalable_ici(mesh_shape: dict[str, int]) -> str:
+  """The mesh.ici text of a per-slice mesh with -1 on its largest data-like axis."""
+  flexible = max((a for a in ("fsdp", "data") if a in mesh_shape),
+                 key=lambda a: (mesh_shape[a], a == "fsdp"), default=None)
+  return ",".join(f"{axis}:{-1 if axis == flexible else size}"
+                  for axis, size in mesh_shape.items())
+
+
+def flags_for(overrides: dict) -> list[str]:
+  """--config.FIELD=VALUE flags equivalent to `overrides`."""
+  return [f"--config.{key}={value}" for key, value in overrides.items()]
+
+
+def write_plan(path: str, plan: dict) -> None:
+  with open(path, "w") as f:
+    json.dump({"meshkit_plan": VERSION, **plan}, f, indent=2, default=str)
+    f.write("\n")

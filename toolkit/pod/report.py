@@ -1,0 +1,168 @@
+"""The report of one ahead-of-time compile (toolkit.pod.aot): its fields, its JSON and its
+text as `python -m toolkit.compile` prints it."""
+from __future__ import annotations
+
+import dataclasses
+
+FITS, DOES_NOT_FIT, BAD_INPUT = 0, 1, 2  # the command's exit codes
+
+
+@dataclasses.dataclass
+class Report:
+  """Everything one compile found; `as_dict()` is the JSON."""
+  target: dict
+  run: dict
+  lint: dict
+  verdict: str                       # "fits", "does not fit", "no chip" (CPU targets)
+  compile_seconds: float
+  memory: dict | None                # compiled, per device; None if the compiler refused
+  out_of_memory: dict | None         # the compiler's figures when it refused
+  analytic: dict
+  flops: dict
+  collectives: list[dict]
+  communication: dict
+  step_time: dict
+  notes: list[str]
+
+  @property
+  def exit_code(self) -> int:
+    return DOES_NOT_FIT if self.verdict == "does not fit" else FITS
+
+  def as_dict(self) -> dict:
+    return {**dataclasses.asdict(self), "exit_code": self.exit_code}
+
+  def format(self) -> str:
+    return format_report(self)
+
+
+def human_bytes(n: float | None) -> str:
+  if n is None:
+    return "-"
+  sign, n = ("-" if n < 0 else ""), abs(float(n))
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if n < 1024 or unit == "TiB":
+      return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+    n /= 1024
+  raise AssertionError
+
+
+def _seconds(s: float) -> str:
+  if s != s:  # nan
+    return "-"
+  return f"{s * 1e3:.2f} ms" if s < 10 else f"{s:.1f} s"
+
+
+def format_report(report: Report) -> str:
+  """The report as `python -m toolkit.compile` prints it."""
+  return "\n".join(_run_lines(report) + [""] + _memory_lines(report) + [""]
+                   + _flops_lines(report) + _communication_lines(report))
+
+
+def _run_lines(r: Report) -> list[str]:
+  run = r.run
+  mesh = " ".join(f"{k}={v}" for k, v in run["mesh"].items())
+  lines = [
+      f"target     {r.target['description']}",
+      f"model      {run['params'] / 1e9:.3f} B parameters, d_model {run['d_model']}, "
+      f"{run['n_layers']} layers, vocab {run['vocab_size']}; {run['param_dtype']} parameters, "
+      f"{run['compute_dtype']} compute, remat {run['remat']}"
+      f"{', scanned layers' if run['scan_layers'] else ''}",
+      f"run        mesh {mesh} (ici {run['mesh_ici']!r}"
+      f"{', dcn ' + repr(run['mesh_dcn']) if run['mesh_dcn'] else ''}), rules {run['preset']}, "
+      f"batch {run['global_batch_size']} x {run['seq_len']} tokens in "
+      f"{run['microbatches']} micro-batch(es)",
+      f"lint       parameters {human_bytes(r.lint['param_bytes'])} in all, "
+      f"{human_bytes(r.lint['param_bytes_per_device'])} per device; replicated "
+      f"{human_bytes(r.lint['replicated_bytes'])} ({r.lint['replicated_fraction']:.1%})",
+  ]
+  lines += [f"warning    {w}" for w in r.lint["warnings"]]
+  lines += [f"note       {n}" for n in r.notes]
+  lines.append(f"compile    {r.compile_seconds:.1f} s")
+  return lines
+
+
+def _memory_lines(r: Report) -> list[str]:
+  a = r.analytic
+  lines = ["memory per device        compiled     analytic"]
+  rows = []
+  if r.memory:
+    m = r.memory
+    rows = [("arguments", m["arguments"], None), ("outputs", m["outputs"], None),
+            ("temporaries", m["temporaries"], None), ("generated code", m["generated_code"], None),
+            ("aliased (subtracted)", m["aliased"], None)]
+  rows += [("params", None, a["params"]), ("optimizer state", None, a["optimizer"]),
+           ("gradients", None, a["gradients"]), ("activations", None, a["activations"]),
+           ("logits", None, a["logits"]), ("weights in use", None, a["weights_in_use"])]
+  for name, compiled, analytic in rows:
+    lines.append(f"  {name:<21}{_cell(compiled)}{_cell(analytic)}")
+  total = r.memory["total"] if r.memory else (r.out_of_memory or {}).get("required_bytes")
+  ratio = a.get("ratio_compiled_to_analytic")
+  lines.append(f"  {'total':<21}{_cell(total)}{_cell(a['total'])}"
+               + (f"  compiled/analytic {ratio:.2f}" if ratio else ""))
+  if r.memory:
+    lines.append(f"  (total = {r.memory['total_definition']})")
+  return lines + [_verdict_line(r)]
+
+
+def _verdict_line(r: Report) -> str:
+  hbm = r.target["hbm_bytes_per_device"]
+  if r.out_of_memory:
+    oom = r.out_of_memory
+    return (f"verdict    DOES NOT FIT: the compiler needs {human_bytes(oom['required_bytes'])}"
+            f" of {human_bytes(oom['available_bytes'])} usable HBM per chip "
+            f"({human_bytes(hbm)} on the chip): {oom['message']}")
+  if hbm is None:
+    return "verdict    compiled (a CPU target: no chip memory to fit)"
+  headroom = r.memory["headroom"] if r.memory else None
+  word = "FITS" if r.verdict == "fits" else "DOES NOT FIT"
+  return (f"verdict    {word} in {human_bytes(hbm)} HBM per chip"
+          + (f": headroom {human_bytes(headroom)} ({headroom / hbm:.0%})"
+             if headroom is not None else ""))
+
+
+def _flops_lines(r: Report) -> list[str]:
+  f = r.flops
+  lines = ["FLOPs per step, per device"]
+  if "xla_per_device" in f:
+    lines.append(f"  XLA cost analysis        {f['xla_per_device']:.3e}  (loop bodies at most "
+                 f"once: not used)")
+  lines.append(f"  traced step (matmuls)    {f['traced_per_device']:.3e}  (loops counted, remat "
+               f"recompute included)")
+  lines.append(f"  analytic, with remat     {f['analytic_executed_per_device']:.3e}")
+  lines.append(f"  model formula            {f['model_formula_per_device']:.3e}  "
+               f"({f['model_formula_per_step']:.3e} per step / {r.target['devices']} devices)")
+  if r.collectives:
+    lines.append("")
+    lines.append("collectives per step, per device (loop trip counts applied; ring estimates)")
+    lines.append(f"  {'kind':<19}{'mesh axes':<30}{'ops':>5}{'runs':>7}{'payload':>13}"
+                 f"{'sent ICI':>13}{'sent DCN':>13}")
+    for c in r.collectives:
+      lines.append(f"  {c['kind']:<19}{c['axes'] + (' [DCN]' if c['dcn'] else ''):<30}"
+                   f"{c['ops']:>5}{c['executions']:>7}{human_bytes(c['payload_bytes']):>13}"
+                   f"{human_bytes(c['ici_bytes']):>13}{human_bytes(c['dcn_bytes']):>13}")
+  return lines
+
+
+def _communication_lines(r: Report) -> list[str]:
+  comm = r.communication
+  lines = [""]
+  if r.memory is not None or not r.out_of_memory:
+    lines.append(f"sent per step, per device: ICI {human_bytes(comm['ici_bytes_compiled'])} "
+                 f"compiled ({human_bytes(comm['ici_bytes_analytic'])} analytic), DCN "
+                 f"{human_bytes(comm['dcn_bytes_compiled'])} compiled "
+                 f"({human_bytes(comm['dcn_bytes_analytic'])} analytic)")
+  else:
+    lines.append(f"sent per step, per device (analytic; nothing compiled): ICI "
+                 f"{human_bytes(comm['ici_bytes_analytic'])}, DCN "
+                 f"{human_bytes(comm['dcn_bytes_analytic'])}")
+  if r.step_time:
+    s = r.step_time
+    lines.append(f"step time  {_seconds(s['total_s'])} estimated = compute {_seconds(s['compute_s'])}"
+                 f" + ICI {_seconds(s['ici_s'])} + DCN {_seconds(s['dcn_s'])} (no overlap, "
+                 f"{s['communication']} communication); model FLOPs utilization "
+                 f"{s['model_flops_utilization']:.0%}")
+  return lines
+
+
+def _cell(value) -> str:
+  return f"{human_bytes(value):>13}" if value is not None else f"{'':>13}"

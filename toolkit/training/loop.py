@@ -1,0 +1,368 @@
+"""The training loop: `run(config, workdir)`.
+
+It reads top to bottom in banner sections: setup -> restore or init -> compile -> loop ->
+finish. Periodic work (log, eval, checkpoint) happens every N steps inside the loop; each is
+a small function of the `Run` it works on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+
+from toolkit.errors import ConfigError
+from toolkit.training import checkpoint, metrics as metrics_lib, state as state_lib
+from toolkit.training import step as step_lib, tasks
+from toolkit.training.setup import Setup, build, peak_flops_per_device, work_per_step
+
+
+class NonFiniteLoss(RuntimeError):
+  """Training produced a NaN or infinite loss; no checkpoint of that state was written."""
+
+
+def log(message: str) -> None:
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
+@dataclasses.dataclass
+class RunResult:
+  final_step: int
+  train_losses: dict[int, float]
+  eval_losses: dict[int, float]
+  stopped_early: bool
+  step_traces: int = 0  # how often Python traced the train step (1: compiled once)
+  sample: str | None = None
+  eval_metrics: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+  confusion: np.ndarray | None = None  # classification: the last eval's confusion matrix
+  # Seconds the loop spent waiting for the next batch, and in the steps' intervals in all
+  # (excluding eval and checkpoints): their ratio is the data-wait fraction of step time.
+  data_wait_seconds: float = 0.0
+  step_seconds: float = 0.0
+
+
+# A function the caller passes to sample text from the trained state at the end of a run
+# (toolkit.train passes toolkit.inference's): (config, setup, state) -> text or None.
+Sampler = Callable[[ml_collections.ConfigDict, Setup, state_lib.State], "str | None"]
+
+
+class StopSignal:
+  """SIGTERM/SIGINT set a flag; the loop finishes its step, saves and exits cleanly.
+
+  With several processes all must stop after the same step, or the ones still training wait
+  in a collective for the ones saving. JAX's runtime catches SIGTERM on any process and agrees
+  with the others on a step (`reached_preemption_sync_point`, TPU maintenance events use it
+  too), so SIGTERM is left to it and SIGINT is passed on to it as SIGTERM.
+  """
+
+  def __init__(self):
+    self.requested = False
+    self.multiprocess = jax.process_count() > 1
+    self._previous = {}
+
+  def __enter__(self):
+    signals = (signal.SIGINT,) if self.multiprocess else (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+      try:
+        self._previous[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread: leave signals alone
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    if self.multiprocess:
+      os.kill(os.getpid(), signal.SIGTERM)
+      return
+    self.requested = True
+    log(f"received {signal.Signals(signum).name}: finishing this step, then saving")
+
+  def should_stop(self, done: int) -> bool:
+    """Whether to stop after step `done`; call it once per step, on every process."""
+    if self.multiprocess:
+      return multihost_utils.reached_preemption_sync_point(done)
+    return self.requested
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
+        sampler: Sampler | None = None) -> RunResult:
+  """Trains per `config`, checkpointing into `workdir`; resumes if the workdir has a checkpoint.
+
+  `devices` (default: all) lets a sweep run several trials at once on disjoint devices;
+  `sampler`, when given, continues a prompt with the trained model at the end."""
+  # --- setup: validate everything before touching the workdir --------------------------------
+  setup = build(config, devices)
+  prepare_workdir(workdir)
+  log_setup(config, setup)
+
+  # --- restore or init -----------------------------------------------------------------------
+  checkpoints = checkpoint.Checkpoints(os.path.join(workdir, "checkpoints"),
+                                       keep=config.train.keep_checkpoints)
+  state, data_position = restore_or_init(config, setup, checkpoints)
+  start_step = int(jax.device_get(state["step"]))
+  if start_step > config.train.steps:
+    raise ConfigError(f"the checkpoint is at step {start_step}, past train.steps="
+                      f"{config.train.steps}; raise train.steps to continue training")
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+
+  # --- compile once --------------------------------------------------------------------------
+  train_step, eval_step = compile_steps(setup)
+
+  # --- loop ----------------------------------------------------------------------------------
+  current = Run(config=config, setup=setup, eval_step=eval_step, checkpoints=checkpoints,
+                writer=metrics_lib.MetricWriter(workdir),
+                result=RunResult(final_step=start_step, train_losses={}, eval_losses={},
+                                 stopped_early=False))
+  try:
+    state = train_loop(current, state, train_step, start_step, data_position)
+  finally:
+    checkpoints.close()
+    current.writer.close()
+
+  # --- finish: plots and a sample ------------------------------------------------------------
+  current.result.step_traces = setup.step.traces
+  write_plots(current, workdir)
+  if sampler is not None and not current.result.stopped_early:
+    current.result.sample = sampler(config, setup, state)
+  return current.result
+
+
+# --- setup ----------------------------------------------------------------------------------
+
+def prepare_workdir(workdir: str) -> None:
+  from toolkit import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  if (problem := workdir_lib.problem(workdir)) is not None:
+    raise ConfigError(problem)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f"--workdir={workdir!r} cannot be created ({e.strerror}); choose a "
+                      f"writable directory") from None
+  if not os.access(workdir, os.W_OK | os.X_OK):
+    raise ConfigError(f"--workdir={workdir!r} is not writable; choose a writable directory")
+
+
+def log_setup(config: ml_collections.ConfigDict, setup: Setup) -> None:
+  """The devices, the mesh and the sharding table; warns about replicated parameters."""
+  mesh, report = setup.spec.mesh, setup.layout.report
+  log(f"devices: {mesh.size} x {mesh.devices.flat[0].device_kind} in "
+      f"{jax.process_count()} process(es); mesh {dict(mesh.shape)}; rules {setup.spec.rules.name}")
+  log(report.format())
+  warning = report.check_replicated(config.sharding.max_replicated_fraction,
+                                    config.sharding.replicated_action)
+  if warning:
+    log(f"warning: {warning}")
+
+
+# --- restore or init ------------------------------------------------------------------------
+
+def restore_or_init(config: ml_collections.ConfigDict, setup: Setup,
+                    checkpoints: checkpoint.Checkpoints) -> tuple[state_lib.State, dict | None]:
+  """(state, data position): the workdir's latest checkpoint, else `train.resume_from`'s,
+  else a fresh state (created straight into its shardings) and no position."""
+  source, step = checkpoint.find_resume_point(checkpoints, config.train.resume_from)
+  if source is None:
+    return state_lib.create(setup.spec.model, setup.optimizer, setup.layout, config.seed), None
+  checkpoint.check_compatible(source.saved_config(step), setup.spec.model,
+                              f"{source.directory} step {step}")
+  state, data_position = source.restore(step, setup.layout.abstract)
+  log(f"restored step {step} from {source.directory}")
+  return state, data_position
+
+
+# --- compile --------------------------------------------------------------------------------
+
+def compile_steps(setup: Setup):
+  """The compiled train and eval steps, with the compile time and per-device memory logged."""
+  start = time.perf_counter()
+  train_step, eval_step = step_lib.compile_step(setup.step, setup.layout,
+                                                setup.batches.abstract(), setup.spec.mesh)
+  memory = train_step.memory_analysis()
+  log(f"compiled the step in {time.perf_counter() - start:.1f} s" + (
+      f"; per device: {memory.argument_size_in_bytes / 2**20:.1f} MiB arguments, "
+      f"{memory.temp_size_in_bytes / 2**20:.1f} MiB temporaries" if memory else ""))
+  return train_step, eval_step
+
+
+# --- the loop and its periodic work ---------------------------------------------------------
+
+@dataclasses.dataclass
+class Run:
+  """What the loop's periodic work shares: the run's pieces, its outputs, its results."""
+  config: ml_collections.ConfigDict
+  setup: Setup
+  eval_step: Callable
+  checkpoints: checkpoint.Checkpoints
+  writer: metrics_lib.MetricWriter
+  result: RunResult
+
+  def __post_init__(self):
+    self.units_per_step, self.flops_per_step = work_per_step(self.config, self.setup)
+    self.peak_flops_total = peak_flops_per_device(self.config) * self.setup.spec.mesh.size
+    self.config_dict = checkpoint.config_to_dict(self.config)
+
+
+def train_loop(run_: Run, state, train_step, start_step: int, data_position: dict | None):
+  """Steps from `start_step` to train.steps, with log/eval/checkpoint every N steps; stops
+  after a step on SIGTERM/SIGINT (saved). Returns the final state."""
+  config, total_steps = run_.config, run_.config.train.steps
+  t = config.train
+  if start_step == 0:
+    evaluate(run_, state, 0)
+  elif start_step == total_steps:
+    log(f"the checkpoint is at train.steps={total_steps} already: nothing to train; raise "
+        f"--config.train.steps to continue")
+    return state
+  # Batches are prepared ahead (Grain's threads or workers, or a prefetch thread) while steps
+  # run; the iterator places each on the devices and resumes a checkpoint's data position.
+  prefetch = config.data.get("prefetch", 2)  # absent from configs saved before it existed
+  batch_iter = run_.setup.batches.iterator(start_step, data_position, prefetch)
+  pending: list = []
+  interval = Interval()
+  one_step_in_flight = run_.setup.spec.mesh.devices.flat[0].platform == "cpu"
+  guard = "disallow" if t.transfer_guard else "allow"
+  try:
+    with StopSignal() as stop, jax.transfer_guard(guard):
+      for current in range(start_step, total_steps):
+        batch = interval.wait_for(batch_iter)
+        if one_step_in_flight:
+          wait_for_previous_step(pending)
+        # The guard turns an implicit host->device copy (say a NumPy array reaching the step)
+        # into an error; placing the batch is an explicit transfer and passes.
+        state, step_metrics = train_step(state, batch)
+        done = current + 1
+        pending.append((done, step_metrics))
+        at_end = done == total_steps
+        # Read the stop flag once per step: a signal that lands during this step's flush, eval
+        # or save is acted on next step, so "stopped" always means "flushed and saved".
+        stopping = stop.should_stop(done)
+        save_now = done % t.checkpoint_every == 0 or at_end or stopping
+        if done % t.log_every == 0 or save_now:
+          flush(run_, pending, interval)
+        if done % t.eval_every == 0 or at_end:
+          evaluate(run_, state, done)
+        if save_now:
+          save(run_, done, state, batch_iter.position())
+        if done % t.eval_every == 0 or save_now:
+          interval.restart()  # step time excludes eval and checkpoint work
+        run_.result.final_step = done
+        if stopping:
+          run_.result.stopped_early = True
+          log(f"stopped at step {done} on request; checkpoint saved")
+          break
+  finally:
+    batch_iter.close()
+  return state
+
+
+def wait_for_previous_step(pending: list) -> None:
+  """On XLA's CPU backend, steps queued behind each other can deadlock: all but one simulated
+  device wait in the next step's all-reduce (measured in the ViT run: "7 of 8 arrived" aborts).
+  So on CPU the loop keeps one step in flight: it waits for the previous step's metrics before
+  dispatching the next. The next batch is already prepared, so only dispatch waits."""
+  if pending:
+    jax.block_until_ready(pending[-1][1])
+
+
+class Interval:
+  """Wall time since the last restart, and how much of it the loop waited for batches."""
+
+  def __init__(self):
+    self.restart()
+
+  def restart(self) -> None:
+    self.start, self.data_wait = time.perf_counter(), 0.0
+
+  def wait_for(self, batch_iter):
+    waiting = time.perf_counter()
+    batch = next(batch_iter)
+    self.data_wait += time.perf_counter() - waiting
+    return batch
+
+
+def flush(run_: Run, pending: list, interval: Interval) -> None:
+  """Fetches pending step metrics, stops on a non-finite loss, logs the latest; the steps took
+  from the interval's start until their metrics arrived (not only until they were
+  dispatched). Restarts the interval."""
+  fetched = jax.device_get([m for _, m in pending])
+  seconds = time.perf_counter() - interval.start
+  result = run_.result
+  result.data_wait_seconds += interval.data_wait
+  result.step_seconds += seconds
+  fetched[-1]["data_wait_fraction"] = interval.data_wait / seconds if seconds > 0 else 0.0
+  for (at_step, _), values in zip(pending, fetched):
+    values = {k: float(v) for k, v in values.items()}
+    # A non-finite gradient poisons the parameters one step before the loss shows it.
+    bad = [name for name in ("loss", "grad_norm") if not math.isfinite(values[name])]
+    if bad:
+      raise NonFiniteLoss(
+          f"{bad[0]} is {values[bad[0]]} at step {at_step}; stopped without saving that "
+          f"state. Lower optimizer.learning_rate or clip harder (optimizer.clip_norm)")
+    result.train_losses[at_step] = values["loss"]
+    run_.writer.write(at_step, "train", values)
+  log(metrics_lib.progress_line(pending[-1][0], run_.config.train.steps, values,
+                                seconds / len(pending), run_.units_per_step,
+                                run_.flops_per_step, run_.peak_flops_total,
+                                unit=run_.setup.task.unit))
+  pending.clear()
+  interval.restart()
+
+
+def evaluate(run_: Run, state, at_step: int) -> None:
+  """Runs the held-out batches, writes and logs the task's summary."""
+  setup, result = run_.setup, run_.result
+  batches = setup.batches
+  outputs = [run_.eval_step(state, batches.eval_batch(i)) for i in range(batches.eval_batches)]
+  summary = setup.task.summarize(jax.device_get(outputs))
+  scalars = {k: v for k, v in summary.items() if isinstance(v, float)}
+  loss = result.eval_losses[at_step] = scalars["loss"]
+  result.eval_metrics[at_step] = scalars
+  run_.writer.write(at_step, "eval", scalars)
+  if setup.task.name == "lm":
+    log(f"eval at step {at_step}: loss {loss:.4f} ({loss / math.log(2):.3f} bits per byte)")
+    return
+  result.confusion = tasks.confusion_matrix(summary["labels"], summary["predictions"],
+                                            setup.spec.model.num_classes)
+  log(f"eval at step {at_step}: loss {loss:.4f}, accuracy {scalars['accuracy']:.2%} "
+      f"({int(scalars['examples'])} held-out examples)")
+
+
+def save(run_: Run, at_step: int, state, position: dict) -> None:
+  """Starts an async checkpoint of `state` with the data position after step at_step - 1's
+  batch (the Grain iterator state, if any)."""
+  assert position["step"] == at_step, (position, at_step)
+  config = run_.config
+  run_.checkpoints.save(at_step, state, run_.config_dict,
+                        {**position, "seed": config.seed, "source": config.data.source})
+
+
+# --- finish ---------------------------------------------------------------------------------
+
+def write_plots(run_: Run, workdir: str) -> None:
+  """loss.png, and confusion.png for a classifier (process 0)."""
+  if jax.process_index() != 0:
+    return
+  plot = metrics_lib.plot_loss_curve(run_.writer.path, os.path.join(workdir, "loss.png"))
+  if plot:
+    log(f"loss curve: {plot}")
+  result = run_.result
+  if result.confusion is not None:
+    last = max(result.eval_metrics)
+    path = metrics_lib.plot_confusion_matrix(
+        result.confusion, os.path.join(workdir, "confusion.png"),
+        f"held-out, step {last}: accuracy {result.eval_metrics[last]['accuracy']:.2%}")
+    log(f"confusion matrix: {path}")

@@ -1,0 +1,91 @@
+"""What a model is trained to do: its loss, its eval metrics, and how they are summarized.
+
+A task is composed into the step (`toolkit.training.step.make_train_step(loss=..., evaluate=...)`)
+rather than branched on inside it. `for_model` picks the task from the model family:
+
+  lm              next-token cross-entropy; batch {"inputs", "targets"} (batch, length) int32
+  classification  softmax cross-entropy over classes; batch {"images" (batch, H, W, C) float32,
+                  "labels" (batch,) int32}, eval batches also "weights" (batch,) float32,
+                  1 for a real example and 0 for padding
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from toolkit.training.step import cross_entropy_loss
+
+Batch = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  name: str
+  unit: str  # what throughput counts in the progress line: "tok" (tokens) or "img" (images)
+  loss: Callable[[nnx.GraphDef, object, Batch], jax.Array]        # mean loss, for grads
+  evaluate: Callable[[nnx.GraphDef, object, Batch], dict]         # per-batch sums
+  summarize: Callable[[Sequence[dict]], dict]                      # -> {"loss": ..., ...}
+
+
+# --- next-token prediction --------------------------------------------------------------------
+
+def lm_eval(graphdef: nnx.GraphDef, params, batch: Batch) -> dict:
+  return {"loss": cross_entropy_loss(graphdef, params, batch)}
+
+
+def lm_summary(results: Sequence[dict]) -> dict:
+  loss = float(np.mean([r["loss"] for r in results]))
+  return {"loss": loss, "bits_per_byte": loss / math.log(2)}
+
+
+LM = Task(name="lm", unit="tok", loss=cross_entropy_loss, evaluate=lm_eval,
+          summarize=lm_summary)
+
+
+# --- classification ---------------------------------------------------------------------------
+
+def classification_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> jax.Array:
+  """Mean softmax cross-entropy (nats) of batch["labels"] given batch["images"]."""
+  logits = nnx.merge(graphdef, params)(batch["images"])
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]))
+
+
+def classification_eval(graphdef: nnx.GraphDef, params, batch: Batch) -> dict:
+  """Sums over the real (weight 1) rows, plus each row's prediction for a confusion matrix."""
+  logits = nnx.merge(graphdef, params)(batch["images"])
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+  weights = batch["weights"]
+  predictions = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return {"loss_sum": jnp.sum(losses * weights), "count": jnp.sum(weights),
+          "correct": jnp.sum((predictions == batch["labels"]) * weights),
+          "predictions": predictions, "labels": batch["labels"], "weights": weights}
+
+
+def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> np.ndarray:
+  """(num_classes, num_classes) counts: row = true class, column = predicted class."""
+  matrix = np.zeros((num_classes, num_classes), np.int64)
+  np.add.at(matrix, (labels, predictions), 1)
+  return matrix
+
+
+def classification_summary(results: Sequence[dict]) -> dict:
+  count = float(sum(float(r["count"]) for r in results))
+  real = np.concatenate([np.asarray(r["weights"]) > 0 for r in results])
+  labels = np.concatenate([np.asarray(r["labels"]) for r in results])[real]
+  predictions = np.concatenate([np.asarray(r["predictions"]) for r in results])[real]
+  return {"loss": float(sum(float(r["loss_sum"]) for r in results)) / count,
+          "accuracy": float(sum(float(r["correct"]) for r in results)) / count,
+          "examples": count, "labels": labels, "predictions": predictions}
+
+
+CLASSIFICATION = Task(name="classification", unit="img", loss=classification_loss,
+                      evaluate=classification_eval, summarize=classification_summary)
+
+TASKS = {"lm": LM, "classification": CLASSIFICATION}
