@@ -35,6 +35,16 @@ class LlamaConfig:
   head_dim: int = 0
   mlp_dim: int = 384
   rope_theta: float = 10_000.0
+  # "default": plain rotary frequencies; "llama3": Llama 3.1+'s frequency scaling (Hugging
+  # Face's rope_scaling.rope_type="llama3"): frequencies whose wavelength exceeds
+  # rope_original_max_positions / rope_low_freq_factor are divided by rope_factor, those
+  # shorter than rope_original_max_positions / rope_high_freq_factor are kept, and the band
+  # between is interpolated.
+  rope_type: str = "default"
+  rope_factor: float = 8.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 8192
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   init_std: float = 0.02
@@ -77,6 +87,22 @@ class LlamaConfig:
         raise ValueError(f"{field}.{name}={getattr(self, name)!r}; use 'float32' or 'bfloat16'")
     if self.remat not in ("none", "full", "save_dots"):
       raise ValueError(f"{field}.remat={self.remat!r}; use 'none', 'full' or 'save_dots'")
+    self._validate_rope(field)
+
+  def _validate_rope(self, field: str) -> None:
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(f"{field}.rope_type={self.rope_type!r}; use one of "
+                       f"{', '.join(map(repr, ROPE_TYPES))}")
+    if not self.rope_theta > 0:
+      raise ValueError(f"{field}.rope_theta={self.rope_theta} must be > 0")
+    if self.rope_type == "llama3" and not (
+        self.rope_factor >= 1 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        and self.rope_original_max_positions >= 1):
+      raise ValueError(
+          f"{field}: rope_type='llama3' needs rope_factor >= 1 (got {self.rope_factor}), "
+          f"0 < rope_low_freq_factor < rope_high_freq_factor (got {self.rope_low_freq_factor}, "
+          f"{self.rope_high_freq_factor}) and rope_original_max_positions >= 1 (got "
+          f"{self.rope_original_max_positions})")
 
   def num_params(self) -> int:
     d, hd = self.d_model, self.resolved_head_dim
@@ -95,6 +121,8 @@ class LlamaConfig:
     return 6 * matmul_params + attention
 
 
+ROPE_TYPES = ("default", "llama3")
+
 PRESETS: dict[str, LlamaConfig] = {
     # For unit tests: a few hundred kB of parameters.
     "tiny": LlamaConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -103,12 +131,14 @@ PRESETS: dict[str, LlamaConfig] = {
     "cpu": LlamaConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
                        mlp_dim=384),
     # Real shapes for ahead-of-time compiles. 125m: GPT-3 Small widths with a Llama MLP and
-    # untied 32k vocabulary (134 M in all, 85 M without embeddings); 1b is Llama 3.2 1B,
-    # 7b Llama 2 7B, 70b Llama 2 70B (32k vocab).
+    # untied 32k vocabulary (134 M in all, 85 M without embeddings); 1b is Llama 3.2 1B (its
+    # config.json's values, RoPE scaling included), 7b Llama 2 7B, 70b Llama 2 70B (32k vocab).
     "125m": LlamaConfig(vocab_size=32_000, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12,
                         mlp_dim=2048, param_dtype="float32", compute_dtype="bfloat16"),
     "1b": LlamaConfig(vocab_size=128_256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                      mlp_dim=8192, rope_theta=500_000.0, tie_embeddings=True,
+                      mlp_dim=8192, rope_theta=500_000.0, rope_type="llama3", rope_factor=32.0,
+                      rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                      rope_original_max_positions=8192, norm_eps=1e-5, tie_embeddings=True,
                       compute_dtype="bfloat16", remat="save_dots"),
     "7b": LlamaConfig(vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                       mlp_dim=11_008, compute_dtype="bfloat16", remat="save_dots"),
@@ -136,10 +166,28 @@ class RMSNorm(nnx.Module):
     return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, rotate-half convention. x: (batch, length, heads, head_dim)."""
-  half = x.shape[-1] // 2
-  inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
+def rope_frequencies(cfg: LlamaConfig) -> jax.Array:
+  """The rotary inverse frequencies (head_dim // 2,) float32: theta^(-2i / head_dim), with
+  Llama 3's scaling applied when cfg.rope_type == "llama3"."""
+  half = cfg.resolved_head_dim // 2
+  inv_freq = 1.0 / cfg.rope_theta ** (jnp.arange(half, dtype=jnp.float32) / half)
+  if cfg.rope_type == "default":
+    return inv_freq
+  wavelength = 2 * math.pi / inv_freq
+  original = cfg.rope_original_max_positions
+  # 0 at the low-frequency edge (wavelength original / low_freq_factor), 1 at the high one.
+  smooth = ((original / wavelength - cfg.rope_low_freq_factor)
+            / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+  scaled = jnp.where(wavelength > original / cfg.rope_low_freq_factor,
+                     inv_freq / cfg.rope_factor, inv_freq)
+  medium = ((wavelength >= original / cfg.rope_high_freq_factor)
+            & (wavelength <= original / cfg.rope_low_freq_factor))
+  return jnp.where(medium, (1 - smooth) * inv_freq / cfg.rope_factor + smooth * inv_freq, scaled)
+
+
+def rotary(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotary embedding, rotate-half convention. x: (batch, length, heads, head_dim);
+  inv_freq (head_dim // 2,) from `rope_frequencies`."""
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # (batch, length, half)
   sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -166,8 +214,9 @@ class Attention(nnx.Module):
     q = jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(dtype))
     k = jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(dtype))
     v = jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(dtype))
-    q = constrain(rotary(q, positions, self.cfg.rope_theta), ("batch", "length", "heads", None))
-    k = constrain(rotary(k, positions, self.cfg.rope_theta), ("batch", "length", "kv_heads", None))
+    inv_freq = rope_frequencies(self.cfg)
+    q = constrain(rotary(q, positions, inv_freq), ("batch", "length", "heads", None))
+    k = constrain(rotary(k, positions, inv_freq), ("batch", "length", "kv_heads", None))
     v = constrain(v, ("batch", "length", "kv_heads", None))
     return q, k, v
 

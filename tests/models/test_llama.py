@@ -18,11 +18,34 @@ def _rms_norm(x, scale, eps):
   return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
 
-def _rotary(x, theta):
+def _frequencies(cfg: LlamaConfig) -> np.ndarray:
+  """Rotary inverse frequencies in float64; for rope_type "llama3" scaled one by one as in
+  Meta's Llama 3.1 reference (`apply_scaling`): keep short wavelengths, divide long ones by
+  the factor, interpolate between."""
+  half = cfg.resolved_head_dim // 2
+  freqs = 1.0 / cfg.rope_theta ** (np.arange(half) / half)
+  if cfg.rope_type == "default":
+    return freqs
+  low_wavelength = cfg.rope_original_max_positions / cfg.rope_low_freq_factor
+  high_wavelength = cfg.rope_original_max_positions / cfg.rope_high_freq_factor
+  scaled = []
+  for freq in freqs:
+    wavelength = 2 * np.pi / freq
+    if wavelength < high_wavelength:
+      scaled.append(freq)
+    elif wavelength > low_wavelength:
+      scaled.append(freq / cfg.rope_factor)
+    else:
+      smooth = ((cfg.rope_original_max_positions / wavelength - cfg.rope_low_freq_factor)
+                / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+      scaled.append((1 - smooth) * freq / cfg.rope_factor + smooth * freq)
+  return np.asarray(scaled)
+
+
+def _rotary(x, inv_freq):
   """x: (length, heads, head_dim); rotate-half convention, positions 0..length-1."""
   length, _, head_dim = x.shape
   half = head_dim // 2
-  inv_freq = 1.0 / theta ** (np.arange(half) / half)
   angles = np.arange(length)[:, None] * inv_freq[None, :]
   sin, cos = np.sin(angles)[:, None, :], np.cos(angles)[:, None, :]
   x1, x2 = x[..., :half], x[..., half:]
@@ -37,11 +60,12 @@ def reference_logits(cfg: LlamaConfig, params, tokens: np.ndarray) -> np.ndarray
   length = len(tokens)
   group = cfg.n_heads // cfg.n_kv_heads
   mask = np.tril(np.ones((length, length), bool))
+  inv_freq = _frequencies(cfg)
   for i in range(cfg.n_layers):
     layer = jax.tree.map(lambda a, i=i: a[i], p["layers"])
     h = _rms_norm(x, layer["attention_norm"]["scale"], cfg.norm_eps)
-    q = _rotary(np.einsum("te,ehd->thd", h, layer["attention"]["wq"]), cfg.rope_theta)
-    k = _rotary(np.einsum("te,ehd->thd", h, layer["attention"]["wk"]), cfg.rope_theta)
+    q = _rotary(np.einsum("te,ehd->thd", h, layer["attention"]["wq"]), inv_freq)
+    k = _rotary(np.einsum("te,ehd->thd", h, layer["attention"]["wk"]), inv_freq)
     v = np.einsum("te,ehd->thd", h, layer["attention"]["wv"])
     heads = []
     for head in range(cfg.n_heads):
@@ -73,6 +97,32 @@ def test_logits_match_float64_reference(tie):
   for row in range(2):
     np.testing.assert_allclose(logits[row], reference_logits(cfg, params, tokens[row]),
                                **LOGITS_TOLERANCE)
+
+
+# head_dim 8, theta 1e4: wavelengths 6.3, 63, 628, 6283 positions. With original positions 64
+# and frequency factors 1 and 4 the first is kept, the second interpolated, the last two
+# divided by the factor: every branch of the scaling is used.
+LLAMA3_ROPE = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
+                   rope_high_freq_factor=4.0, rope_original_max_positions=64)
+
+
+def test_llama3_rope_scaling_matches_float64_reference():
+  cfg = LlamaConfig.preset("tiny", init_std=0.2, **LLAMA3_ROPE)
+  model, params = _model_and_params(cfg)
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(1, 24))
+  logits = np.asarray(model(jnp.asarray(tokens)))
+  np.testing.assert_allclose(logits[0], reference_logits(cfg, params, tokens[0]),
+                             **LOGITS_TOLERANCE)
+  # The scaling changes the result: the same weights without it give other logits.
+  plain = dataclasses.replace(cfg, rope_type="default")
+  assert np.abs(logits[0] - reference_logits(plain, params, tokens[0])).max() > 1e-3
+
+
+def test_llama_3_2_1b_preset_has_its_rope_scaling():
+  cfg = LlamaConfig.preset("1b")
+  assert (cfg.rope_type, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+          cfg.rope_original_max_positions, cfg.rope_theta) == ("llama3", 32.0, 1.0, 4.0, 8192,
+                                                               500_000.0)
 
 
 def test_attention_is_causal():
@@ -140,7 +190,10 @@ def test_every_parameter_has_logical_axes():
     ("d_model", 30, "set model.head_dim explicitly"),
     ("remat", "sometimes", "model.remat='sometimes'"),
     ("compute_dtype", "float16", "model.compute_dtype='float16'"),
-    ("n_layers", 0, "model.n_layers=0 must be >= 1")])
+    ("n_layers", 0, "model.n_layers=0 must be >= 1"),
+    ("rope_type", "yarn", "model.rope_type='yarn'"),
+    ("rope_factor", 0.5, "rope_type='llama3' needs rope_factor >= 1")])
 def test_config_errors_name_the_field(field, value, message):
+  base = LlamaConfig.preset("tiny", **(LLAMA3_ROPE if field == "rope_factor" else {}))
   with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
-    dataclasses.replace(LlamaConfig.preset("tiny"), **{field: value}).validate()
+    dataclasses.replace(base, **{field: value}).validate()
