@@ -6,7 +6,7 @@ small. Prints what it finds; exit status 1 when anything breaks a rule.
 The direction, lowest first (a module may import its own layer and the layers below):
 
   sharding  <-  models  <-  toolkit's shared helpers (errors, accelerators, workdir,
-  command_line)  <-  toolkit/data  <-  toolkit/training  <-  the other toolkit/<concern>
+  command_line)  <-  toolkit/data, toolkit/hf  <-  toolkit/training  <-  the other toolkit/<concern>
   subpackages (pod, inference, tuning, ...; never each other)  <-  toolkit's commands
   (toolkit/*.py)  <-  experiments, scripts
 
@@ -58,8 +58,8 @@ def modules(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
 
 
 def layer(module: str, known: dict[str, pathlib.Path]) -> tuple[int, str]:
-  """(rank, group): a module may import ranks at or below its own; groups of rank 5 (the
-  concern subpackages) may not import each other."""
+  """(rank, group): a module may import ranks at or below its own; groups of rank 3 (data,
+  hf) and of rank 5 (the other concern subpackages) may not import each other."""
   parts = module.split(".")
   if parts[0] == "sharding":
     return 0, "sharding"
@@ -72,7 +72,10 @@ def layer(module: str, known: dict[str, pathlib.Path]) -> tuple[int, str]:
   package = ".".join(parts[:2])
   if len(parts) >= 2 and package in known and known[package].name == "__init__.py":
     concern = parts[1]
-    return {"data": (3, "data"), "training": (4, "training")}.get(concern, (5, concern))
+    # hf (the Hugging Face format) ranks with data: training's `init_from=hf:DIR` reads
+    # weights through it.
+    return {"data": (3, "data"), "hf": (3, "hf"),
+            "training": (4, "training")}.get(concern, (5, concern))
   return 6, "commands"  # toolkit/<command>.py
 
 
@@ -107,9 +110,9 @@ def direction_problems(known: dict[str, pathlib.Path]) -> list[Problem]:
       if other_rank > rank:
         problems.append(Problem("direction", where, f"{group} imports {other_group} ({target}); "
                                 f"{other_group} sits above {group}"))
-      elif other_rank == rank == 5 and other_group != group:
+      elif other_rank == rank and rank in (3, 5) and other_group != group:
         problems.append(Problem("sideways", where, f"{group} imports {other_group} ({target}); "
-                                f"concern subpackages share only data/ and training/"))
+                                f"subpackages of one rank never import each other"))
   return problems
 
 

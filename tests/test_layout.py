@@ -62,12 +62,16 @@ def test_imports_against_the_direction_and_sideways_are_found(tmp_path):
       "toolkit/pod/aot.py": "import toolkit.inference.engine\n",          # sideways
       "toolkit/inference/__init__.py": "",
       "toolkit/inference/engine.py": "from toolkit import train\n",       # up to a command
+      "toolkit/hf/__init__.py": "",
+      "toolkit/hf/reader.py": "from toolkit.data import text\n",         # sideways at rank 3
+      "toolkit/training/setup.py": "from toolkit.hf import reader\n",    # fine: hf is below
       "toolkit/train.py": "from toolkit.training import loop\n",          # fine
       "models/llama.py": "from toolkit.errors import ConfigError\n",      # models -> toolkit
   })
   assert _rules(check_layout.check(root)) == {
       ("direction", "toolkit/data/text.py"), ("sideways", "toolkit/pod/aot.py"),
-      ("direction", "toolkit/inference/engine.py"), ("direction", "models/llama.py")}
+      ("direction", "toolkit/inference/engine.py"), ("direction", "models/llama.py"),
+      ("sideways", "toolkit/hf/reader.py")}
 
 
 def test_long_modules_and_functions_are_found(tmp_path):
