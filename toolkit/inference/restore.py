@@ -2,32 +2,12 @@
 that a config's mesh and rules give them, without the optimizer state."""
 from __future__ import annotations
 
-import os
-
 import ml_collections
 
 from toolkit.errors import ConfigError
 from toolkit.training import checkpoint
+from toolkit.training.checkpoint import open_latest
 from toolkit.training import setup as setup_lib
-
-
-def open_latest(checkpoint_path: str, flag: str = "--checkpoint"
-                ) -> tuple[checkpoint.Checkpoints, int]:
-  """A read-only manager over a training workdir (or its checkpoints/ folder) and its latest
-  step; ConfigError naming `flag` when there is none. The caller closes the manager."""
-  if not checkpoint_path:
-    raise ConfigError(f"{flag} is empty; give a training workdir or its checkpoints/ folder")
-  directory = checkpoint.checkpoints_dir(checkpoint_path)
-  if not os.path.isdir(directory):
-    raise ConfigError(f"{flag}={checkpoint_path!r} does not exist; give the workdir of a "
-                      f"training run")
-  manager = checkpoint.Checkpoints(directory, read_only=True)
-  step = manager.latest_step()
-  if step is None:
-    manager.close()
-    raise ConfigError(f"{flag}={checkpoint_path!r} holds no checkpoint; train first "
-                      f"(python -m toolkit.train ... --workdir={checkpoint_path})")
-  return manager, step
 
 
 def restore_params(config: ml_collections.ConfigDict, checkpoint_path: str, devices=None):

@@ -3,12 +3,13 @@ position saved beside it, and restores onto any mesh by giving the abstract stat
 shardings as the target.
 
 Resume order (`find_resume_point`): the workdir's latest checkpoint -> `train.resume_from`
--> scratch.
+-> `train.init_from` (weights only, `init_from.py`) -> scratch.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any
 
@@ -25,14 +26,22 @@ SHAPE_FIELDS = ("kind", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_he
                 "channels", "num_classes", "pool")
 
 
+def _drop_read_only_notice(record: logging.LogRecord) -> bool:
+  return not record.getMessage().startswith("Given directory is read only")
+
+
 class Checkpoints:
   """A CheckpointManager over `directory` with items state / config / data."""
 
   def __init__(self, directory: str, keep: int = 3, read_only: bool = False):
     self.directory = os.path.abspath(directory)
+    # Read-only: the options Orbax would otherwise reset with a warning each, and its notice
+    # that the directory is read only (asked for) left out of the command's output.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=not read_only, read_only=read_only,
-        enable_async_checkpointing=True)
+        max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
+        create=not read_only, read_only=read_only, enable_async_checkpointing=True)
+    if read_only:
+      logging.getLogger("absl").addFilter(_drop_read_only_notice)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "config", "data"))
 
@@ -118,3 +127,22 @@ def find_resume_point(own: Checkpoints, resume_from: str) -> tuple[Checkpoints |
 
 def config_to_dict(config) -> dict:
   return json.loads(config.to_json_best_effort())
+
+
+def open_latest(checkpoint_path: str, flag: str = "--checkpoint"
+                ) -> tuple[Checkpoints, int]:
+  """A read-only manager over a training workdir (or its checkpoints/ folder) and its latest
+  step; ConfigError naming `flag` when there is none. The caller closes the manager."""
+  if not checkpoint_path:
+    raise ConfigError(f"{flag} is empty; give a training workdir or its checkpoints/ folder")
+  directory = checkpoints_dir(checkpoint_path)
+  if not os.path.isdir(directory):
+    raise ConfigError(f"{flag}={checkpoint_path!r} does not exist; give the workdir of a "
+                      f"training run")
+  manager = Checkpoints(directory, read_only=True)
+  step = manager.latest_step()
+  if step is None:
+    manager.close()
+    raise ConfigError(f"{flag}={checkpoint_path!r} holds no checkpoint; train first "
+                      f"(python -m toolkit.train ... --workdir={checkpoint_path})")
+  return manager, step

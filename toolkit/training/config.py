@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 import sharding
 from models import KINDS, LlamaConfig
 from toolkit.errors import ConfigError
+from toolkit.training import init_from
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -52,7 +53,10 @@ def defaults() -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict(dict(
       steps=300, microbatches=1, log_every=25, eval_every=100, checkpoint_every=100,
       keep_checkpoints=3, resume_from="", peak_flops_per_device=0.0, sample_tokens=200,
-      sample_prompt="The ", transfer_guard=True))
+      sample_prompt="The ", transfer_guard=True,
+      # Weights to start from, with a fresh optimizer, when neither the workdir nor
+      # resume_from has a checkpoint: "hf:DIR", a Hugging Face model folder (toolkit/hf).
+      init_from=""))
   return c
 
 
@@ -143,6 +147,7 @@ def resolve(config: ml_collections.ConfigDict,
   if t.resume_from and not os.path.isdir(t.resume_from):
     raise ConfigError(f"train.resume_from={t.resume_from!r} is not a directory; give a workdir "
                       f"or its checkpoints/ folder")
+  init_from.parse(t.get("init_from", ""))  # absent from configs saved before it existed
   if t.peak_flops_per_device < 0:
     raise ConfigError(f"train.peak_flops_per_device={t.peak_flops_per_device} must be >= 0; "
                       f"0 looks the peak up from the device kind")

@@ -20,7 +20,7 @@ from jax.experimental import multihost_utils
 
 from toolkit.errors import ConfigError
 from toolkit.training import checkpoint, metrics as metrics_lib, state as state_lib
-from toolkit.training import step as step_lib, tasks
+from toolkit.training import init_from, step as step_lib, tasks
 from toolkit.training.setup import Setup, build, peak_flops_per_device, work_per_step
 
 
@@ -104,13 +104,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
   `sampler`, when given, continues a prompt with the trained model at the end."""
   # --- setup: validate everything before touching the workdir --------------------------------
   setup = build(config, devices)
+  hf_folder = init_from.source(config, setup.spec.model, workdir)  # checked, or None
   prepare_workdir(workdir)
   log_setup(config, setup)
 
   # --- restore or init -----------------------------------------------------------------------
   checkpoints = checkpoint.Checkpoints(os.path.join(workdir, "checkpoints"),
                                        keep=config.train.keep_checkpoints)
-  state, data_position = restore_or_init(config, setup, checkpoints)
+  state, data_position = restore_or_init(config, setup, checkpoints, hf_folder)
   start_step = int(jax.device_get(state["step"]))
   if start_step > config.train.steps:
     raise ConfigError(f"the checkpoint is at step {start_step}, past train.steps="
@@ -171,10 +172,15 @@ def log_setup(config: ml_collections.ConfigDict, setup: Setup) -> None:
 # --- restore or init ------------------------------------------------------------------------
 
 def restore_or_init(config: ml_collections.ConfigDict, setup: Setup,
-                    checkpoints: checkpoint.Checkpoints) -> tuple[state_lib.State, dict | None]:
+                    checkpoints: checkpoint.Checkpoints,
+                    hf_folder=None) -> tuple[state_lib.State, dict | None]:
   """(state, data position): the workdir's latest checkpoint, else `train.resume_from`'s,
-  else a fresh state (created straight into its shardings) and no position."""
+  else a fresh state (created straight into its shardings) and no position; its parameters
+  are `hf_folder`'s weights when given (`init_from.source`)."""
   source, step = checkpoint.find_resume_point(checkpoints, config.train.resume_from)
+  if source is None and hf_folder is not None:
+    log(f"initializing from {hf_folder.path} (train.init_from), fresh optimizer")
+    return init_from.initial_state(hf_folder, setup, config.seed), None
   if source is None:
     return state_lib.create(setup.spec.model, setup.optimizer, setup.layout, config.seed), None
   checkpoint.check_compatible(source.saved_config(step), setup.spec.model,

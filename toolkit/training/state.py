@@ -60,10 +60,14 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def _init(model_cfg: LlamaConfig, optimizer: optax.GradientTransformation, seed: jax.Array) -> State:
-  key = jax.random.key(seed)
-  params_key, state_key = jax.random.split(key)
+  params_key, _ = jax.random.split(jax.random.key(seed))
   model = _model_fn(model_cfg, params_key)
-  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  return _around(nnx.to_pure_dict(nnx.state(model, nnx.Param)), optimizer, seed)
+
+
+def _around(params, optimizer: optax.GradientTransformation, seed: jax.Array) -> State:
+  """Step 0, a new optimizer state and the seed's rng around `params`."""
+  _, state_key = jax.random.split(jax.random.key(seed))
   return {"step": jnp.zeros((), jnp.int32), "params": params,
           "opt_state": optimizer.init(params), "rng": jax.random.key_data(state_key)}
 
@@ -94,3 +98,13 @@ def create(model_cfg: LlamaConfig, optimizer: optax.GradientTransformation,
   """Initializes the state directly into its shardings."""
   init = jax.jit(lambda s: _init(model_cfg, optimizer, s), out_shardings=state_layout.shardings)
   return init(jnp.int32(seed))
+
+
+def from_params(params, optimizer: optax.GradientTransformation, state_layout: StateLayout,
+                seed: int) -> State:
+  """A fresh state around given parameters (already in their shardings, say read from a
+  Hugging Face checkpoint): step 0, a new optimizer state, and the rng `create` would give
+  `seed`. The parameter buffers are donated, not copied."""
+  around = jax.jit(lambda p, s: _around(p, optimizer, s), out_shardings=state_layout.shardings,
+                   donate_argnums=0)
+  return around(params, jnp.int32(seed))
