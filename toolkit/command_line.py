@@ -181,15 +181,17 @@ def _experiment_error(config_arg: str, config_path: str, error: BaseException) -
   return f"--config={config_arg}: {message}"
 
 
-def parse_flags(argv: list[str], config_flag=None, required: dict[str, str] | None = None
-                ) -> list[str]:
+def parse_flags(argv: list[str], config_flag=None, required: dict[str, str] | None = None,
+                commands: tuple[str, ...] = (), config_required: bool = True) -> list[str]:
   """absl's flag parsing with every mistake as one line and exit code USAGE_EXIT.
 
   Args:
     argv: the command line.
     config_flag: the holder from `config_flags.DEFINE_config_file`, when the entry point has
-      one; it is then required.
+      one; it is then required unless `config_required` is False.
     required: flag name -> what to give, for the other required flags.
+    commands: the subcommands (`toolkit.convert import|export`): exactly one must be given,
+      as the one positional argument; it is returned after argv[0].
   """
   from absl import flags  # pylint: disable=g-import-not-at-top
   # absl's own parser prints "FATAL Flags parsing error" blocks and lets some config_flags
@@ -198,15 +200,20 @@ def parse_flags(argv: list[str], config_flag=None, required: dict[str, str] | No
     rest = flags.FLAGS(argv)
   except Exception as e:  # pylint: disable=broad-except  # incl. a broken experiment file
     fail(explain_flag_error(e, argv), USAGE_EXIT)
-  if len(rest) > 1:
+  if commands and (len(rest) != 2 or rest[1] not in commands):
+    given = f"got {' '.join(rest[1:])!r}" if len(rest) > 1 else "none given"
+    fail(f"give one command first, {' or '.join(commands)} ({given}); see --help",
+         USAGE_EXIT)
+  elif not commands and len(rest) > 1:
     fail(f"unexpected arguments {' '.join(rest[1:])!r}; flags take the form --name=value "
          f"(see --help)", USAGE_EXIT)
   if config_flag is not None:
     config_arg = config_argument(argv)
     if config_arg is None:
-      fail("--config is required; give an experiment file and variant, e.g. "
-           "--config=experiments/lm.py:tiny", USAGE_EXIT)
-    if not isinstance(config_flag.value, ml_collections.ConfigDict):
+      if config_required:
+        fail("--config is required; give an experiment file and variant, e.g. "
+             "--config=experiments/lm.py:tiny", USAGE_EXIT)
+    elif not isinstance(config_flag.value, ml_collections.ConfigDict):
       # config_flags defers a file that failed to load (missing, unreadable) to first use.
       fail(missing_config_file(config_arg), USAGE_EXIT)
   for name, what in (required or {}).items():
