@@ -5,6 +5,8 @@ one JSON line per prompt out (toolkit/inference/offline.py does the work).
       --prompts_file=in.jsonl --output=out.jsonl
   python -m toolkit.generate --config=experiments/lm.py:cpu --checkpoint=runs/lm_cpu \\
       --prompt="The " --max_tokens=100
+  python -m toolkit.generate --config=experiments/hf.py:runs/hf_tiny --checkpoint=runs/hf_import \\
+      --tokenizer=runs/hf_tiny --prompt="The " --max_tokens=20
 """
 from __future__ import annotations
 
@@ -29,6 +31,15 @@ def define_sampling_flags():
   )
 
 
+def define_tokenizer_flag():
+  """--tokenizer, shared by `toolkit.generate`, `toolkit.serve` and `toolkit.sample`."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  return flags.DEFINE_string(
+      "tokenizer", "bytes", "How text becomes tokens: 'bytes' (byte-level models) or a Hugging "
+      "Face tokenizer.json / model folder; its folder's BOS id is put before each prompt and "
+      "its EOS ids end each request.")
+
+
 def cli() -> None:
   """`python -m toolkit.generate`: flags are defined here and nowhere else."""
   from absl import app, flags  # pylint: disable=g-import-not-at-top
@@ -50,6 +61,7 @@ def cli() -> None:
                                     "KV cache positions per request: prompt + max_tokens must "
                                     "fit.", lower_bound=2)
   sampling_flags = define_sampling_flags()
+  tokenizer_flag = define_tokenizer_flag()
 
   def main(argv) -> None:
     del argv
@@ -59,7 +71,7 @@ def cli() -> None:
       records = offline.run(config_flag.value, checkpoint_flag.value, prompt=prompt_flag.value,
                     prompts_file=prompts_file_flag.value, output=output_flag.value,
                     defaults=defaults, batch_size=batch_flag.value,
-                    cache_length=cache_flag.value)
+                    cache_length=cache_flag.value, tokenizer=tokenizer_flag.value)
     except (ConfigError, sharding.ShardingError) as e:
       command_line.fail(e)
     if prompt_flag.value is not None:

@@ -1,9 +1,10 @@
 """`python -m toolkit.sample --workdir=DIR --prompt="The "`: continue a prompt with a trained
-byte-level LM, from its workdir's latest checkpoint, on one device with the KV-cache engine
-(toolkit/inference/text.py)."""
+LM, from its workdir's latest checkpoint, on one device with the KV-cache engine
+(toolkit/inference/text.py). Text is byte-level unless --tokenizer names a tokenizer.json."""
 from __future__ import annotations
 
 from toolkit.errors import ConfigError
+from toolkit.generate import define_tokenizer_flag
 from toolkit.inference import text
 
 
@@ -13,17 +14,19 @@ def cli() -> None:
   from toolkit import command_line  # pylint: disable=g-import-not-at-top
   workdir = flags.DEFINE_string("workdir", None, "Required. Workdir of a training run.")
   prompt = flags.DEFINE_string("prompt", "The ", "Text to continue.")
-  tokens = flags.DEFINE_integer("tokens", 200, "Byte tokens to generate.", lower_bound=1)
+  tokens = flags.DEFINE_integer("tokens", 200, "Tokens to generate (fewer when the model "
+                                "emits its EOS).", lower_bound=1)
   temperature = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.",
                                    lower_bound=0.0)
   seed = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+  tokenizer = define_tokenizer_flag()
 
   def main(argv):
     del argv
     command_line.quiet_logging()
     try:
       print(text.sample_from_checkpoint(workdir.value, prompt.value, tokens.value,
-                                        temperature.value, seed.value))
+                                        temperature.value, seed.value, tokenizer.value))
     except ConfigError as e:
       command_line.fail(e)
 

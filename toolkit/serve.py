@@ -21,6 +21,7 @@ def cli() -> None:
   from toolkit.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from toolkit.inference import engine as engine_lib  # pylint: disable=g-import-not-at-top
   from toolkit.inference import offline, requests, restore  # pylint: disable=g-import-not-at-top
+  from toolkit.inference.codec import Codec  # pylint: disable=g-import-not-at-top
   from toolkit.inference.sampling import RequestError  # pylint: disable=g-import-not-at-top
   from toolkit.inference.server import Server  # pylint: disable=g-import-not-at-top
   config_flag = config_flags.DEFINE_config_file(
@@ -42,6 +43,7 @@ def cli() -> None:
   timeout_flag = flags.DEFINE_float("request_timeout", 600.0, "Seconds before a request gets "
                                     "504.", lower_bound=1.0)
   sampling_flags = generate.define_sampling_flags()
+  tokenizer_flag = generate.define_tokenizer_flag()
 
   def main(argv) -> None:
     del argv
@@ -50,6 +52,7 @@ def cli() -> None:
       defaults = requests.sampling_defaults(**{k: f.value for k, f in sampling_flags.items()})
       params, model_cfg, mesh, rules, step = restore.restore_params(config_flag.value,
                                                                      checkpoint_flag.value)
+      codec = Codec.load(tokenizer_flag.value).check(model_cfg.vocab_size)
       try:
         defaults.validate(model_cfg.vocab_size)
         engine = engine_lib.Engine(model_cfg, params, mesh, rules, cache_flag.value)
@@ -63,7 +66,7 @@ def cli() -> None:
       info = {"step": step, "batch_size": batch_flag.value, "cache_length": cache_flag.value,
               "mesh": dict(mesh.shape), "rules": rules.name}
       server = Server(batcher, defaults, host_flag.value, port_flag.value, timeout_flag.value,
-                      info).start()
+                      info, codec).start()
     except (ConfigError, sharding.ShardingError, RequestError) as e:
       command_line.fail(e)
     print(f"serving on {server.url} (POST /generate, GET /health, GET /metrics); Ctrl-C stops",

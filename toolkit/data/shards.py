@@ -30,9 +30,11 @@ _EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 
 
 class Tokenizer:
-  """Byte-level (`path == "bytes"`) or a Hugging Face tokenizer.json."""
+  """Byte-level (`path == "bytes"`) or a Hugging Face tokenizer.json. `eot_id` is None only
+  when `require_eot` is False (generation, which ends at the model's EOS ids instead) and the
+  tokenizer has none of the usual end-of-document tokens."""
 
-  def __init__(self, path: str = "bytes", eot_token: str = ""):
+  def __init__(self, path: str = "bytes", eot_token: str = "", require_eot: bool = True):
     self.path = path
     if path == "bytes":
       self._hf = None
@@ -53,6 +55,9 @@ class Tokenizer:
     names = (eot_token,) if eot_token else _EOT_CANDIDATES
     ids = [self._hf.token_to_id(name) for name in names]
     found = [i for i in ids if i is not None]
+    if not found and not require_eot:
+      self.eot_id = None
+      return
     if not found:
       raise ConfigError(f"--tokenizer={path!r} has no end-of-document token "
                         f"{' or '.join(names)}; name one with --eot_token")
@@ -68,10 +73,11 @@ class Tokenizer:
       return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
     return np.asarray(self._hf.encode(text, add_special_tokens=False).ids, np.int64)
 
-  def decode(self, ids: Sequence[int]) -> str:
+  def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+    """Text of `ids`; `skip_special` leaves out special tokens (BOS, EOS, ...)."""
     if self._hf is None:
       return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
-    return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
+    return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
 
 def read_meta(directory: str, field: str = "data.path") -> dict:

@@ -1,7 +1,8 @@
 """Offline batch generation from a checkpoint: many prompts in, one JSON line per prompt out
 (`python -m toolkit.generate`).
 
-Each input line is a JSON object with "prompt" (text, byte-level tokens) or "tokens" (ids),
+Each input line is a JSON object with "prompt" (text: byte-level tokens, or through
+--tokenizer with the model's BOS in front) or "tokens" (ids),
 an optional "id" copied to the output, and optional sampling fields that override the flags
 (max_tokens, temperature, top_k, top_p, seed, stop_tokens). A line without "seed" gets
 --seed + its line index. Output lines keep the input order.
@@ -16,9 +17,9 @@ import time
 import jax
 import ml_collections
 
-from toolkit.data import text
 from toolkit.errors import ConfigError
 from toolkit.inference import engine as engine_lib
+from toolkit.inference.codec import BYTES, Codec
 from toolkit.inference.requests import read_requests, result_record
 from toolkit.inference.restore import restore_params
 from toolkit.inference.sampling import RequestError, SamplingParams
@@ -52,9 +53,10 @@ class Progress:
 def run(config: ml_collections.ConfigDict, checkpoint_path: str, *, prompt: str | None = None,
         prompts_file: str | None = None, output: str | None = None,
         defaults: SamplingParams = SamplingParams(), batch_size: int = 16,
-        cache_length: int = DEFAULT_CACHE_LENGTH) -> list[dict]:
+        cache_length: int = DEFAULT_CACHE_LENGTH, tokenizer: str = BYTES) -> list[dict]:
   """Generates for `prompt` or every line of `prompts_file`; writes `output` if given and
-  returns the output records."""
+  returns the output records. Text goes through `tokenizer` ('bytes' or a tokenizer.json /
+  Hugging Face folder, whose EOS ids also end every request)."""
   if (prompt is None) == (prompts_file is None):
     raise ConfigError("give exactly one of --prompt or --prompts_file")
   if output:
@@ -67,14 +69,15 @@ def run(config: ml_collections.ConfigDict, checkpoint_path: str, *, prompt: str 
     raise ConfigError(f"--config has model.kind={config.model.get('kind')!r}, not a language "
                       f"model; predict with python -m toolkit.predict")
   vocab_size = spec.model.vocab_size
+  codec = Codec.load(tokenizer).check(vocab_size)
   try:
-    defaults = defaults.validate(vocab_size)
+    defaults = codec.stop_at_eos(defaults.validate(vocab_size))
   except RequestError as e:
     raise ConfigError(f"--{str(e)}") from None
   if prompts_file is not None:
-    requests, prompts, sampling_params = read_requests(prompts_file, defaults, vocab_size)
+    requests, prompts, sampling_params = read_requests(prompts_file, defaults, vocab_size, codec)
   else:
-    requests, prompts, sampling_params = [{}], [text.encode(prompt)], [defaults]
+    requests, prompts, sampling_params = [{}], [codec.encode(prompt)], [defaults]
   params, model_cfg, mesh, rules, step = restore_params(config, checkpoint_path)
   try:
     engine = engine_lib.Engine(model_cfg, params, mesh, rules, cache_length)
@@ -92,7 +95,7 @@ def run(config: ml_collections.ConfigDict, checkpoint_path: str, *, prompt: str 
         f"prompt(s), batch {batch_size}, cache length {cache_length}", file=sys.stderr,
         flush=True)
   results = engine_lib.generate(engine, prompts, sampling_params, batch_size, Progress())
-  records = [result_record(r, q) for r, q in zip(results, requests)]
+  records = [result_record(r, q, codec) for r, q in zip(results, requests)]
   if output and jax.process_index() == 0:
     with open(output, "w", encoding="utf-8") as f:
       for record in records:

@@ -8,15 +8,17 @@ import os
 
 import numpy as np
 
-from toolkit.data import text
 from toolkit.errors import ConfigError
 from toolkit.inference import engine as engine_lib
+from toolkit.inference.codec import BYTE_LEVEL, Codec
 from toolkit.inference.sampling import RequestError, SamplingParams
 
 
-def read_requests(path: str, defaults: SamplingParams, vocab_size: int
+def read_requests(path: str, defaults: SamplingParams, vocab_size: int,
+                  codec: Codec = BYTE_LEVEL
                   ) -> tuple[list[dict], list[np.ndarray], list[SamplingParams]]:
-  """Parses a prompts file; every mistake is a ConfigError naming the file and line."""
+  """Parses a prompts file (text through `codec`); every mistake is a ConfigError naming the
+  file and line."""
   if not os.path.isfile(path):
     raise ConfigError(f"--prompts_file={path!r} does not exist; give a JSONL file with one "
                       f'{{"prompt": "..."}} object per line')
@@ -32,10 +34,10 @@ def read_requests(path: str, defaults: SamplingParams, vocab_size: int
         raise ConfigError(f"{where} is not valid JSON ({e.msg}); write one JSON object per "
                           f"line") from None
       try:
-        prompt = parse_prompt(record)
+        prompt = parse_prompt(record, codec)
         fields = {k: v for k, v in record.items() if k not in ("prompt", "tokens", "id")}
         fields.setdefault("seed", defaults.seed + len(prompts))
-        params.append(SamplingParams.from_dict(fields, vocab_size, defaults))
+        params.append(codec.stop_at_eos(SamplingParams.from_dict(fields, vocab_size, defaults)))
       except RequestError as e:
         raise ConfigError(f"{where}: {e}") from None
       lines.append(record)
@@ -45,8 +47,9 @@ def read_requests(path: str, defaults: SamplingParams, vocab_size: int
   return lines, prompts, params
 
 
-def parse_prompt(record) -> np.ndarray:
-  """Token ids from a request object's "prompt" (text) or "tokens" (ids)."""
+def parse_prompt(record, codec: Codec = BYTE_LEVEL) -> np.ndarray:
+  """Token ids from a request object's "prompt" (text, through `codec`: BOS first when the
+  model has one) or "tokens" (ids, taken as given)."""
   if not isinstance(record, dict):
     raise RequestError('the request must be a JSON object such as {"prompt": "The "}')
   if ("prompt" in record) == ("tokens" in record):
@@ -54,7 +57,7 @@ def parse_prompt(record) -> np.ndarray:
   if "prompt" in record:
     if not isinstance(record["prompt"], str):
       raise RequestError(f'"prompt" must be a string, not {type(record["prompt"]).__name__}')
-    return text.encode(record["prompt"])
+    return codec.encode(record["prompt"])
   tokens = record["tokens"]
   if not isinstance(tokens, list) or not all(
       isinstance(t, int) and not isinstance(t, bool) for t in tokens):
@@ -62,8 +65,9 @@ def parse_prompt(record) -> np.ndarray:
   return np.asarray(tokens, np.int32)
 
 
-def result_record(result: engine_lib.Result, request: dict | None = None) -> dict:
-  record = {"completion": text.decode(result.tokens), "tokens": result.tokens,
+def result_record(result: engine_lib.Result, request: dict | None = None,
+                  codec: Codec = BYTE_LEVEL) -> dict:
+  record = {"completion": codec.decode(result.tokens), "tokens": result.tokens,
             "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
             "completion_tokens": len(result.tokens)}
   if request is not None and "id" in request:

@@ -27,6 +27,7 @@ import numpy as np
 from aiohttp import web
 
 from toolkit.inference import engine as engine_lib
+from toolkit.inference.codec import BYTE_LEVEL, Codec
 from toolkit.inference.requests import parse_prompt, result_record
 from toolkit.inference.sampling import RequestError, SamplingParams
 
@@ -42,8 +43,9 @@ class Service:
   """The request handlers; `batcher` is stepped by another thread."""
 
   def __init__(self, batcher: engine_lib.Batcher, defaults: SamplingParams,
-               request_timeout_s: float, info: dict):
+               request_timeout_s: float, info: dict, codec: Codec = BYTE_LEVEL):
     self.batcher, self.defaults, self.request_timeout_s = batcher, defaults, request_timeout_s
+    self.codec = codec  # text in and out; its EOS ids end every request
     self.info = info
     self.counters = collections.Counter()
     self.latencies: collections.deque = collections.deque(maxlen=LATENCY_WINDOW)
@@ -68,10 +70,10 @@ class Service:
       return self._reject(400, f"the body is not valid JSON ({e}); send an object such as "
                                f'{{"prompt": "The ", "max_tokens": 32}}')
     try:
-      prompt = parse_prompt(body)
+      prompt = parse_prompt(body, self.codec)
       fields = {k: v for k, v in body.items() if k not in ("prompt", "tokens", "id")}
-      params = SamplingParams.from_dict(fields, self.batcher.engine.model_cfg.vocab_size,
-                                        self.defaults)
+      params = self.codec.stop_at_eos(SamplingParams.from_dict(
+          fields, self.batcher.engine.model_cfg.vocab_size, self.defaults))
       self.batcher.engine.check_request(prompt, params)
     except RequestError as e:
       return self._reject(400, str(e))
@@ -96,7 +98,7 @@ class Service:
       return _error(500, f"generation failed: {result.error}")
     self.latencies.append(result.latency_s)
     self.first_token.append(result.time_to_first_token_s)
-    record = result_record(result, body)
+    record = result_record(result, body, self.codec)
     record.update(latency_s=round(result.latency_s, 6),
                   time_to_first_token_s=round(result.time_to_first_token_s, 6))
     return web.json_response(record)
@@ -153,9 +155,9 @@ class Server:
 
   def __init__(self, batcher: engine_lib.Batcher, defaults: SamplingParams = SamplingParams(),
                host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float = 600.0,
-               info: dict | None = None):
+               info: dict | None = None, codec: Codec = BYTE_LEVEL):
     self.batcher, self.host, self.port = batcher, host, port
-    self.service = Service(batcher, defaults, request_timeout_s, info or {})
+    self.service = Service(batcher, defaults, request_timeout_s, info or {}, codec)
     self._stop = threading.Event()
     self._decode_thread = threading.Thread(target=batcher.run, args=(self._stop,),
                                            name="decode-loop", daemon=True)

@@ -1,6 +1,6 @@
-"""Text in and out of a byte-level LM with the KV-cache engine: continue a prompt from a
-trained state (the end of a training run) or from a workdir's latest checkpoint
-(`python -m toolkit.sample`).
+"""Text in and out of an LM with the KV-cache engine: continue a prompt from a trained state
+(the end of a training run) or from a workdir's latest checkpoint (`python -m toolkit.sample`).
+Text is byte-level unless a tokenizer is given (toolkit/inference/codec.py).
 
 Generation runs in windows of the training sequence length: the cache holds `window`
 positions, and once a window is full the last half of it becomes the next prompt. The model
@@ -15,9 +15,9 @@ from jax.experimental import multihost_utils
 
 import sharding
 from models import LlamaConfig
-from toolkit.data import text
 from toolkit.errors import ConfigError
 from toolkit.inference import engine as engine_lib
+from toolkit.inference.codec import BYTE_LEVEL, BYTES, Codec
 from toolkit.inference.restore import open_latest, restore_params, single_device_config
 from toolkit.inference.sampling import SamplingParams
 
@@ -27,9 +27,10 @@ SAMPLE_GATHER_LIMIT_BYTES = 2**30
 
 
 def continue_text(engine: engine_lib.Engine, prompt: str, num_tokens: int,
-                  temperature: float = 0.8, seed: int = 0) -> str:
-  """`prompt` followed by `num_tokens` byte tokens sampled at `temperature` (0 = greedy)."""
-  tokens = list(text.encode(prompt)) or [ord(" ")]
+                  temperature: float = 0.8, seed: int = 0, codec: Codec = BYTE_LEVEL) -> str:
+  """`prompt` followed by up to `num_tokens` tokens sampled at `temperature` (0 = greedy);
+  an EOS token of `codec`'s model ends the text early."""
+  tokens = [int(t) for t in codec.encode(prompt)] or [ord(" ")]
   window = engine.cache_length
   produced, round_index = 0, 0
   while produced < num_tokens:
@@ -38,15 +39,17 @@ def continue_text(engine: engine_lib.Engine, prompt: str, num_tokens: int,
     keep = window - 1 if round_index == 0 else window // 2
     context = np.asarray(tokens[-keep:], np.int32)
     count = min(num_tokens - produced, window - len(context))
-    params = SamplingParams(max_tokens=count, temperature=temperature,
-                            seed=(seed + round_index) % 2**32)
+    params = codec.stop_at_eos(SamplingParams(max_tokens=count, temperature=temperature,
+                                              seed=(seed + round_index) % 2**32))
     result, = engine_lib.generate(engine, [context], [params], batch_size=engine.batch_ways)
     if result.finish_reason == "error":
       raise RuntimeError(f"generation failed: {result.error}")
     tokens += result.tokens
     produced += len(result.tokens)
     round_index += 1
-  return text.decode(tokens)
+    if result.finish_reason == "stop":
+      break
+  return codec.decode(tokens)
 
 
 def one_device_engine(model_cfg: LlamaConfig, params, window: int) -> engine_lib.Engine:
@@ -83,9 +86,9 @@ def sample_after_training(config: ml_collections.ConfigDict, setup, state) -> st
 
 
 def sample_from_checkpoint(workdir: str, prompt: str, num_tokens: int, temperature: float,
-                           seed: int) -> str:
+                           seed: int, tokenizer: str = BYTES) -> str:
   """Restores the latest parameters of a training workdir onto one device and continues
-  `prompt`."""
+  `prompt` (text through `tokenizer`: 'bytes', or a tokenizer.json / Hugging Face folder)."""
   manager, step = open_latest(workdir, "--workdir")
   try:
     config = single_device_config(manager.saved_config(step))
@@ -94,6 +97,8 @@ def sample_from_checkpoint(workdir: str, prompt: str, num_tokens: int, temperatu
   if config.model.get("kind", "llama") != "llama":
     raise ConfigError(f"--workdir={workdir!r} holds a {config.model.kind!r} model, not a "
                       f"language model; predict with python -m toolkit.predict")
+  codec = Codec.load(tokenizer).check(config.model.vocab_size)
   params, model_cfg, _, _, _ = restore_params(config, workdir, jax.devices()[:1])
   engine = one_device_engine(model_cfg, params, config.data.seq_len)
-  return continue_text(engine, prompt, num_tokens, temperature=temperature, seed=seed)
+  return continue_text(engine, prompt, num_tokens, temperature=temperature, seed=seed,
+                       codec=codec)
