@@ -8,8 +8,8 @@ byte-level tokenizer makes CPython's docs as bytes its native tokens) on 8 simul
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
     python -m toolkit.train --config=experiments/hf.py:runs/hf_tiny --workdir=runs/hf_tuned
 
-Expected result: held-out loss falls from ~23 bits per byte (random weights) to ~4.7 at
-step 100, in about a minute.
+Expected result: held-out loss falls from 8.5 bits per byte (random weights) to 3.4 at step
+100 (measured), in about a minute on 2 cores, half of it compiling.
 
 The same config loads the checkpoint for generation and export (docs/huggingface.md):
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -152,3 +153,25 @@ def test_mistake_is_one_line_and_writes_nothing(mistake_runs, name, fragments):
     assert fragment in line, line
   assert snapshot(root) == before  # no new workdir or export folder, nothing changed
   print(line)
+
+
+def _guide_commands() -> list[str]:
+  """The first bash block of docs/huggingface.md, one command per entry (continuations joined)."""
+  text = (REPO / "docs" / "huggingface.md").read_text()
+  block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+  return [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_the_guide_runs_as_pasted(tmp_path):
+  """docs/huggingface.md's commands, in order, with runs/ moved into a temporary folder."""
+  commands = _guide_commands()
+  assert any("toolkit.convert import" in c for c in commands)
+  assert any("toolkit.convert export" in c for c in commands)
+  env = _env()
+  env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env['PATH']}"  # the venv's python
+  for command in commands:
+    done = subprocess.run(command.replace("runs/", f"{tmp_path}/"), shell=True, cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+  assert "['LlamaForCausalLM']" in done.stdout

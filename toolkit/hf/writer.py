@@ -72,7 +72,8 @@ def write_shard(path: str, tensors: list[Planned], dtype_name: str, fetch: Fetch
       if array.shape != tensor.entry.hf_shape or array.nbytes != tensor.nbytes:
         raise ValueError(f"{tensor.name}: got shape {array.shape}, {array.nbytes} bytes; "
                          f"planned {tensor.entry.hf_shape}, {tensor.nbytes}")
-      f.write(np.ascontiguousarray(array).data)
+      # As raw bytes: Python's buffer protocol has no bfloat16.
+      f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
       progress(tensor)
 
 

@@ -101,3 +101,27 @@ def test_sharded_export_loads_and_reads_back(exported, tmp_path):
   again, _, _ = reference.import_params(out)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                again, params)
+
+
+def test_bfloat16_checkpoints_upcast_exactly_and_export_as_bfloat16(tmp_path):
+  """Published checkpoints are often bfloat16: read into float32 parameters without a rounding,
+  and a model kept in bfloat16 (model.param_dtype) exports the same bits."""
+  model = reference.write_folder(tmp_path / "hf", NAME).to(reference.torch.bfloat16)
+  model.save_pretrained(str(tmp_path / "hf"))
+  original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+  assert original["lm_head.weight"].dtype.name == "bfloat16"
+  params, _, _ = reference.import_params(tmp_path / "hf")
+  np.testing.assert_array_equal(np.asarray(params["unembed"]),
+                                original["lm_head.weight"].astype(np.float32).T)
+  config = config_lib.defaults()
+  config.model.param_dtype = "bfloat16"
+  conversion.import_checkpoint(str(tmp_path / "hf"), str(tmp_path / "workdir"), config)
+  conversion.export_checkpoint(str(tmp_path / "workdir"), str(tmp_path / "exported"))
+  exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
+  assert sorted(exported) == sorted(original)
+  for name in original:
+    assert exported[name].dtype == original[name].dtype
+    np.testing.assert_array_equal(exported[name].view(np.uint16),
+                                  original[name].view(np.uint16), err_msg=name)
+  assert json.loads((tmp_path / "exported" / "config.json").read_text())["torch_dtype"] == (
+      "bfloat16")
