@@ -24,9 +24,7 @@ def cli() -> None:
   """
   from absl import app, flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  import sharding  # pylint: disable=g-import-not-at-top
-  from toolkit import command_line, conversion  # pylint: disable=g-import-not-at-top
-  from toolkit.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from toolkit import command_line  # pylint: disable=g-import-not-at-top
   config_flag = config_flags.DEFINE_config_file(
       "config", None, "import: experiment file giving mesh, rules, optimizer and data (default: "
       "the training defaults); its model section is replaced by the folder's config.json.",
@@ -60,6 +58,10 @@ def cli() -> None:
       if flags.FLAGS[name].value is None:
         command_line.fail(f"--{name} is required for `{command}`; give {what}",
                           command_line.USAGE_EXIT)
+    # Imported after the flags are checked: a usage mistake is reported without loading JAX.
+    import sharding  # pylint: disable=g-import-not-at-top
+    from toolkit import conversion  # pylint: disable=g-import-not-at-top
+    from toolkit.errors import ConfigError  # pylint: disable=g-import-not-at-top
     try:
       if command == IMPORT:
         conversion.import_checkpoint(hf_flag.value, workdir_flag.value, config_flag.value)

@@ -27,8 +27,9 @@ def import_checkpoint(hf_path: str, workdir: str,
   tensor names, shapes, tied embeddings, the output folder) runs before anything is written."""
   config = init_from.with_hf_model(config or config_lib.defaults(), hf_path)
   output.check_empty(workdir, "--workdir")
-  setup = setup_lib.build(config)
   folder = hf.HFFolder(hf_path)
+  folder.check(config_lib.model_config(config.model))  # every tensor, before devices start
+  setup = setup_lib.build(config)
   start = time.perf_counter()
   state = init_from.initial_state(folder, setup, config.seed)
   _log(f"read {hf_path} into {setup.spec.mesh.size} device(s), mesh {dict(setup.spec.mesh.shape)}, "

@@ -84,7 +84,7 @@ def resolve(config: ml_collections.ConfigDict,
     if key not in known:
       raise ConfigError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}; "
                         f"remove it from the experiment's get_config or fix its name")
-  model = _model(config.model)
+  model = model_config(config.model)
   mesh = sharding.make_mesh(sharding.parse_axis_sizes(config.mesh.ici, "mesh.ici"),
                             sharding.parse_axis_sizes(config.mesh.dcn, "mesh.dcn"), devices)
   s = config.sharding
@@ -154,7 +154,8 @@ def resolve(config: ml_collections.ConfigDict,
   return RunSpec(model=model, mesh=mesh, rules=rules, batch_ways=batch_ways, task=task)
 
 
-def _model(section: ml_collections.ConfigDict):
+def model_config(section: ml_collections.ConfigDict):
+  """The model config dataclass of a config's `model` section, validated (ConfigError)."""
   values = section.to_dict()
   kind = values.pop("kind", "llama")
   if kind not in KINDS:

@@ -1,19 +1,16 @@
-"""Text through a Hugging Face tokenizer with the model's BOS and EOS: `toolkit.sample` and
-`toolkit.serve` continue a prompt exactly as transformers' greedy `generate` does (the offline
-`toolkit.generate` path: tests/toolkit/test_convert.py). Byte-level text stays the default."""
-import json
+"""Text through a Hugging Face tokenizer with the model's BOS and EOS: `toolkit.sample`
+continues a prompt exactly as transformers' greedy `generate` does (so does `toolkit.generate`:
+tests/toolkit/test_convert.py), and requests (prompts files, `toolkit.serve`) are encoded and
+decoded with it. Byte-level text stays the default."""
 import pathlib
-import urllib.request
 
-import jax
 import pytest
 
-import sharding
 from tests.toolkit.hf import reference
 from toolkit import conversion
 from toolkit.data import text as text_data
 from toolkit.errors import ConfigError
-from toolkit.inference import engine as engine_lib, server as server_lib, text as text_lib
+from toolkit.inference import engine as engine_lib, requests, text as text_lib
 from toolkit.inference.codec import BYTE_LEVEL, Codec
 from toolkit.inference.sampling import SamplingParams
 
@@ -69,22 +66,14 @@ def test_sample_continues_like_transformers(folder, tmp_path):
   assert greedy == PROMPT + _text(path, expected)
 
 
-def test_server_takes_and_returns_text_through_the_tokenizer(folder):
-  path, model = folder
-  params, cfg, _ = reference.import_params(path)
-  mesh = sharding.make_mesh([("data", 1)], [], jax.devices()[:1])
-  engine = engine_lib.Engine(cfg, jax.device_get(params), mesh, sharding.Rules.preset("dp"),
-                             cache_length=64)
-  batcher = engine_lib.Batcher(engine, batch_size=2, max_queue=8)
-  running = server_lib.Server(batcher, SamplingParams(max_tokens=16), port=0,
-                              request_timeout_s=120, codec=Codec.load(str(path))).start()
-  try:
-    request = urllib.request.Request(running.url + "/generate",
-                                     data=json.dumps({"prompt": PROMPT}).encode())
-    with urllib.request.urlopen(request, timeout=120) as response:
-      record = json.loads(response.read())
-  finally:
-    running.stop()
-  expected = _greedy(model, [BOS, *PROMPT.encode()], 16)
-  assert record["prompt_tokens"] == 1 + len(PROMPT) and record["tokens"] == expected
-  assert record["completion"] == _text(path, expected)
+def test_requests_take_and_return_text_through_the_tokenizer(folder):
+  """What toolkit.serve and prompts files do with each request (parse_prompt, the EOS stop,
+  result_record), with the folder's codec."""
+  codec = Codec.load(str(folder[0]))
+  assert list(requests.parse_prompt({"prompt": PROMPT}, codec)) == [BOS, *PROMPT.encode()]
+  assert list(requests.parse_prompt({"tokens": [5, 6]}, codec)) == [5, 6]  # ids as given
+  result = engine_lib.Result(tokens=[*b"ok ", BOS, *b"go"], finish_reason="stop",
+                             prompt_tokens=11, latency_s=0.0, time_to_first_token_s=0.0)
+  record = requests.result_record(result, {"id": 3}, codec)
+  assert record["completion"] == _text(folder[0], result.tokens) == "ok go"
+  assert record["id"] == 3 and record["tokens"] == result.tokens
