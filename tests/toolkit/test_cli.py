@@ -68,6 +68,17 @@ def snapshot(root: pathlib.Path) -> dict[str, tuple]:
   return tree
 
 
+def refused(result: subprocess.CompletedProcess, fragments: list[str], folder: pathlib.Path,
+            before: dict) -> str:
+  """Asserts a refused run: one error line holding every fragment, `folder` exactly as its
+  snapshot `before`. Returns the line."""
+  line = the_error_line(result)
+  for fragment in fragments:
+    assert fragment in line, line
+  assert snapshot(folder) == before
+  return line
+
+
 def the_error_line(result: subprocess.CompletedProcess) -> str:
   """Asserts the shape of a refused run and returns its one error line."""
   output = result.stdout + result.stderr
@@ -268,6 +279,12 @@ def mistake_runs(request, trained, tmp_path_factory) -> dict[str, tuple]:
     before = snapshot(workdir)
     return name, (workdir, before, train(*args, timeout=MISTAKE_TIMEOUT_S))
 
+  return side_by_side(run_one, cases)
+
+
+def side_by_side(run_one, cases) -> dict:
+  """`run_one(case) -> (name, outcome)` for every case, four at a time (each case a short
+  process that mostly imports JAX); name -> outcome."""
   with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
     return dict(pool.map(run_one, cases))
 
@@ -276,11 +293,7 @@ def mistake_runs(request, trained, tmp_path_factory) -> dict[str, tuple]:
                          ids=[m[0] for m in MISTAKES])
 def test_mistake_is_one_line_and_leaves_the_workdir_untouched(mistake_runs, name, fragments):
   workdir, before, result = mistake_runs[name]
-  line = the_error_line(result)
-  for fragment in fragments:
-    assert fragment in line, line
-  assert snapshot(workdir) == before
-  print(line)  # shown with -rA: the exact lines users see
+  print(refused(result, fragments, workdir, before))  # shown with -rA: the lines users see
 
 
 def test_non_finite_loss_stops_naming_the_step_and_saves_nothing_from_then_on(workdir_copy):
