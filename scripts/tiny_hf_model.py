@@ -30,7 +30,8 @@ TINY = dict(vocab_size=258, hidden_size=64, intermediate_size=192, num_hidden_la
 def byte_tokenizer():
   """A `tokenizers` byte-level BPE without merges: token i is byte i (GPT-2's byte-to-unicode
   alphabet), plus the BOS and EOS special tokens."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
   printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
                *range(ord("®"), ord("ÿ") + 1)]
   extra = iter(range(256, 512))

@@ -35,7 +35,7 @@ def test_transformers_loads_the_export_and_computes_meshkit_logits(exported):
   original, _, out, params = exported
   model = reference.transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
   _, cfg, graphdef = reference.import_params(original)
-  tokens = reference.prompt(cfg.vocab_size, length=64, seed=1)
+  tokens = reference.prompt(cfg.vocab_size, seed=1)
   difference = np.abs(reference.hf_logits(model, tokens)
                       - reference.meshkit_logits(graphdef, params, tokens)).max()
   print(f"transformers on the export vs meshkit: max |logit difference| {difference:.2e}")
