@@ -80,7 +80,7 @@ def _gather(array: jax.Array) -> np.ndarray:
 
 def export_checkpoint(workdir: str, out: str, step: int | None = None,
                       hf_source: str | None = None,
-                      max_shard_bytes: int = hf.writer.MAX_SHARD_BYTES) -> list[str]:
+                      max_shard_bytes: int = hf.MAX_SHARD_BYTES) -> list[str]:
   """Writes the Hugging Face folder `out` (which must not exist or be empty) from `workdir`'s
   checkpoint `step` (default: the latest); returns the names of the files written."""
   output.check_empty(out, "--out")

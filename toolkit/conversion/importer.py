@@ -12,7 +12,6 @@ import ml_collections
 from toolkit import hf
 from toolkit.conversion import output
 from toolkit.training import checkpoint, config as config_lib, init_from, setup as setup_lib
-from toolkit.training import state as state_lib
 
 
 def _log(message: str) -> None:

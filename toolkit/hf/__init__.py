@@ -10,8 +10,8 @@ from toolkit.hf.architectures import ARCHITECTURES, Architecture, for_hf_config,
 from toolkit.hf.folder import HFFolder, special_tokens
 from toolkit.hf.reader import read_params
 from toolkit.hf.tensors import TensorMap
-from toolkit.hf import writer
-from toolkit.hf.writer import write_config, write_weights
+from toolkit.hf.writer import MAX_SHARD_BYTES, write_config, write_weights
 
-__all__ = ["ARCHITECTURES", "Architecture", "HFFolder", "TensorMap", "for_hf_config",
-           "for_model", "read_params", "special_tokens", "write_config", "write_weights"]
+__all__ = ["ARCHITECTURES", "Architecture", "HFFolder", "MAX_SHARD_BYTES", "TensorMap",
+           "for_hf_config", "for_model", "read_params", "special_tokens", "write_config",
+           "write_weights"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ml_collections
 
-from toolkit.errors import ConfigError
 from toolkit.training import checkpoint
 from toolkit.training.checkpoint import open_latest
 from toolkit.training import setup as setup_lib

@@ -5,7 +5,6 @@ before training it equals meshkit's step-0 eval (the weights were read right). A
 written by the import holds exactly the state init_from starts from."""
 import jax
 import numpy as np
-import pytest
 from safetensors.numpy import load_file
 
 from experiments import hf as hf_experiment
