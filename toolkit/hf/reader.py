@@ -44,7 +44,9 @@ def read_block(folder: HFFolder, entry: TensorMap, index: tuple[slice, ...],
 def read_array(folder: HFFolder, entry: TensorMap, shape: tuple[int, ...],
                sharding: NamedSharding, param_dtype: np.dtype) -> jax.Array:
   """One parameter as a global array in `sharding`, built from per-device slices. Devices
-  that hold the same slice (replicated axes) share one read."""
+  that hold the same slice (replicated axes) share one read. Not `make_array_from_callback`:
+  it collects every device's slice on the host before placing any (jax 0.10.2), i.e. this
+  process's whole share of the parameter at once; here each slice is placed, then dropped."""
   by_index: dict[tuple, list[jax.Device]] = {}
   for device, index in sharding.addressable_devices_indices_map(shape).items():
     key = tuple((s.start, s.stop) for s in normalize(index, shape))
