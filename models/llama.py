@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import attention as attention_lib
 from sharding import constrain
 
 RematPolicy = Literal["none", "full", "save_dots"]
@@ -55,6 +56,8 @@ class LlamaConfig:
   # False: every position attends to every other (bidirectional), for encoders such as
   # models/vit.py that reuse these blocks; the LM is causal.
   causal: bool = True
+  # models.attention: auto, xla, blockwise, splash, cudnn (decoding one token keeps its own).
+  attention: str = "auto"
 
   @property
   def resolved_head_dim(self) -> int:
@@ -87,6 +90,9 @@ class LlamaConfig:
         raise ValueError(f"{field}.{name}={getattr(self, name)!r}; use 'float32' or 'bfloat16'")
     if self.remat not in ("none", "full", "save_dots"):
       raise ValueError(f"{field}.remat={self.remat!r}; use 'none', 'full' or 'save_dots'")
+    if self.attention not in attention_lib.CHOICES:
+      raise ValueError(f"{field}.attention={self.attention!r}; use one of "
+                       f"{', '.join(attention_lib.CHOICES)}")
     self._validate_rope(field)
 
   def _validate_rope(self, field: str) -> None:
@@ -223,16 +229,18 @@ class Attention(nnx.Module):
   def _output(self, out: jax.Array) -> jax.Array:
     return jnp.einsum("bthd,hde->bte", out, self.wo[...].astype(out.dtype))
 
+  def _attend(self, q, k, v, causal: bool):
+    return attention_lib.attend(q, k, v, causal=causal, implementation=self.cfg.attention)
+
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     q, k, v = self._project(x, positions)
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=self.cfg.causal)
-    return self._output(out)
+    return self._output(self._attend(q, k, v, self.cfg.causal))
 
   def prefill(self, x: jax.Array, positions: jax.Array):
     """Causal self-attention over a prompt, also returning its keys and values (the rows it
     writes into the KV cache), each (batch, length, kv_heads, head_dim)."""
     q, k, v = self._project(x, positions)
-    return self._output(jax.nn.dot_product_attention(q, k, v, is_causal=True)), k, v
+    return self._output(self._attend(q, k, v, True)), k, v
 
   def decode(self, x: jax.Array, positions: jax.Array, cache_k: jax.Array, cache_v: jax.Array):
     """One new token per row. x (batch, 1, embed) at positions (batch, 1); cache_k/cache_v

@@ -170,6 +170,18 @@ def activation_rules(rules: Rules, mesh: Mesh) -> Iterator[None]:
     yield
 
 
+def active() -> tuple[Rules, Mesh] | None:
+  """(rules, mesh) of the enclosing `activation_rules`, or None outside them."""
+  return _ACTIVE.value
+
+
+@contextlib.contextmanager
+def no_rules() -> Iterator[None]:
+  """Turns `activation_rules` off inside the block (per-device code sees local blocks)."""
+  with _ACTIVE(None):
+    yield
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   """Sharding constraint by logical axes; a no-op outside `activation_rules` (e.g. unsharded)."""
   active = _ACTIVE.value

@@ -1,0 +1,295 @@
+"""Attention implementations behind one call, chosen by name (`LlamaConfig.attention`).
+
+  attend(q, k, v, causal=True, implementation="auto") -> (batch, q_length, heads, head_dim)
+
+q is (batch, q_length, heads, head_dim), k and v (batch, kv_length, kv_heads, head_dim) with
+heads a multiple of kv_heads (grouped-query: query head h reads key/value head h // (heads //
+kv_heads)); scores are scaled by 1/sqrt(head_dim); causal means key j is seen by query i when
+j <= i (queries and keys both counted from position 0). The output has q's dtype.
+
+  xla        `jax.nn.dot_product_attention` (XLA): materializes the (batch, heads, q, k) scores
+  blockwise  flash-style attention in plain JAX on every backend: an online softmax over
+             key/value blocks, blocks above the causal diagonal skipped, a custom VJP that
+             recomputes each block; memory O(length x block) instead of O(length^2)
+  splash     the Pallas TPU splash-attention kernel, per device under `shard_map` over the
+             batch and head axes the activation rules split (off a TPU it runs in Pallas
+             interpret mode: correct and slow, for tests); lengths must be multiples of 128
+  cudnn      `jax.nn.dot_product_attention(implementation="cudnn")` on NVIDIA GPUs
+  auto       `resolve`: splash on TPU, cudnn on GPU within its limits, else xla up to
+             BLOCKWISE_FROM tokens and blockwise from there
+
+To add one (ring attention over a sequence axis, say): write `fn(q, k, v, causal) -> out` with
+the contract above, register it in IMPLEMENTATIONS, and give `resolve` a case if `auto` should
+pick it. The platform is the active mesh's (`sharding.active_mesh`), so compiling for a TPU
+from a CPU host resolves as on the TPU.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+import sharding
+
+# The name the kernels' outputs (and their softmax statistics) carry for remat policies: a
+# policy that saves it never reruns attention in the backward pass.
+CONTEXT = "context"
+# Measured on CPU (bench in docs/training.md): below this many keys the XLA implementation's
+# fused scores win; from it the blockwise loop is as fast and its memory stays linear.
+BLOCKWISE_FROM = 1024
+BLOCK = 512                 # blockwise: queries and keys per block (smaller for short inputs)
+SPLASH_BLOCKS = (512, 256, 128)  # splash block sizes tried, largest first (128-lane tiles)
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf in the softmax
+
+
+def platform() -> str:
+  """The platform attention compiles for: the active mesh's devices, else JAX's default."""
+  mesh = sharding.active_mesh()
+  return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
+# --- xla and cudnn ----------------------------------------------------------------------------
+
+def _prescaled(q):
+  """q / sqrt(head_dim): scaling the queries costs length/head_dim times less than scaling the
+  scores (XLA's CPU backend ran the xla implementation 1.2x faster so, forward and backward)."""
+  return (q * q.shape[-1] ** -0.5).astype(q.dtype)
+
+
+def xla(q, k, v, causal: bool):
+  return jax.nn.dot_product_attention(_prescaled(q), k, v, is_causal=causal, scale=1.0,
+                                      implementation="xla")
+
+
+def cudnn(q, k, v, causal: bool):
+  return jax.nn.dot_product_attention(_prescaled(q), k, v, is_causal=causal, scale=1.0,
+                                      implementation="cudnn")
+
+
+def cudnn_supports(q_shape, kv_shape, head_dim: int, dtype) -> bool:
+  """cuDNN's fused attention limits (jax.nn.dot_product_attention): 16-bit inputs, head_dim
+  a multiple of 8 up to 128 (256 from cuDNN 9.5 on Hopper; 128 is safe)."""
+  del q_shape, kv_shape
+  return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and \
+      head_dim <= 128
+
+
+# --- blockwise --------------------------------------------------------------------------------
+
+def _blocks(length: int, block: int) -> tuple[int, int]:
+  """(block size, block count) for `length` positions: one block for short inputs."""
+  size = min(block, length)
+  return size, -(-length // size)
+
+
+def _visible(i, j, bq: int, bk: int, kv_length: int, causal: bool):
+  """(bq, bk) mask of which keys of block j the queries of block i see."""
+  qpos = i * bq + jnp.arange(bq)[:, None]
+  kpos = j * bk + jnp.arange(bk)[None, :]
+  seen = kpos < kv_length
+  return seen & (kpos <= qpos) if causal else seen
+
+
+def _kv_blocks_seen(i, bq: int, bk: int, nk: int, causal: bool):
+  """Key blocks 0..n-1 hold every key that query block i sees (causal: up to its last row)."""
+  return jnp.minimum(nk, ((i + 1) * bq - 1) // bk + 1) if causal else nk
+
+
+def _split(x, count: int, size: int):
+  """(batch, length, ...) -> (count, batch, size, ...) with the length padded with zeros."""
+  pad = count * size - x.shape[1]
+  x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  return jnp.moveaxis(x.reshape(x.shape[0], count, size, *x.shape[2:]), 1, 0)
+
+
+def _merge(x, length: int):
+  """Inverse of `_split`: (count, batch, size, ...) -> (batch, length, ...)."""
+  x = jnp.moveaxis(x, 0, 1)
+  return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :length]
+
+
+def _scores(q_block, k_block):
+  """(batch, bq, kv, group, d) x (batch, bk, kv, d) -> (batch, kv, group, bq, bk) float32."""
+  return jnp.einsum("bqkgd,bskd->bkgqs", q_block, k_block, preferred_element_type=jnp.float32)
+
+
+def _blockwise_forward(q, k, v, causal: bool, block: int):
+  """(out (batch, q_length, heads, d), logsumexp (nq, batch, kv, group, bq) float32)."""
+  batch, q_length, heads, d = q.shape
+  kv_length, kv_heads = k.shape[1], k.shape[2]
+  group = heads // kv_heads
+  bq, nq = _blocks(q_length, block)
+  bk, nk = _blocks(kv_length, block)
+  qs = _split(_prescaled(q).reshape(batch, q_length, kv_heads, group, d), nq, bq)
+  ks, vs = _split(k, nk, bk), _split(v, nk, bk)
+
+  def query_block(i):
+    qi = qs[i]
+
+    def key_block(j, carry):
+      m, l, acc = carry
+      s = jnp.where(_visible(i, j, bq, bk, kv_length, causal), _scores(qi, ks[j]), _MASK_VALUE)
+      m_new = jnp.maximum(m, s.max(axis=-1))
+      p = jnp.exp(s - m_new[..., None])
+      correction = jnp.exp(m - m_new)
+      pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vs[j],
+                      preferred_element_type=jnp.float32)
+      return m_new, l * correction + p.sum(axis=-1), acc * correction[..., None] + pv
+
+    stats = (batch, kv_heads, group, bq)
+    init = (jnp.full(stats, _MASK_VALUE, jnp.float32), jnp.zeros(stats, jnp.float32),
+            jnp.zeros(stats + (d,), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, _kv_blocks_seen(i, bq, bk, nk, causal), key_block, init)
+    out = (acc / l[..., None]).astype(q.dtype)            # (batch, kv, group, bq, d)
+    return jnp.einsum("bkgqd->bqkgd", out), m + jnp.log(l)
+
+  out, logsumexp = jax.lax.map(query_block, jnp.arange(nq))
+  return _merge(out, q_length).reshape(batch, q_length, heads, d), logsumexp
+
+
+def _blockwise_backward(q, k, v, out, logsumexp, d_out, causal: bool, block: int):
+  """dq, dk, dv: for each key block, the query blocks that see it, scores recomputed."""
+  batch, q_length, heads, d = q.shape
+  kv_length, kv_heads = k.shape[1], k.shape[2]
+  group = heads // kv_heads
+  scale = d ** -0.5
+  bq, nq = _blocks(q_length, block)
+  bk, nk = _blocks(kv_length, block)
+  grouped = lambda x: x.reshape(batch, q_length, kv_heads, group, d)
+  qs = _split(_prescaled(q).reshape(batch, q_length, kv_heads, group, d), nq, bq)
+  dos = _split(grouped(d_out), nq, bq)
+  # Row sums of d_out * out: the softmax backward's correction, (nq, batch, kv, group, bq).
+  delta = jnp.einsum("nbqkgd,nbqkgd->nbkgq", dos.astype(jnp.float32),
+                     _split(grouped(out), nq, bq).astype(jnp.float32))
+  ks, vs = _split(k, nk, bk), _split(v, nk, bk)
+
+  def key_block(j, dq):
+    kj, vj = ks[j], vs[j]
+
+    def query_block(i, carry):
+      dq, dk, dv = carry
+      qi, doi = qs[i], dos[i]
+      s = jnp.where(_visible(i, j, bq, bk, kv_length, causal), _scores(qi, kj), _MASK_VALUE)
+      p = jnp.exp(s - logsumexp[i][..., None])                       # (b, kv, g, bq, bk)
+      dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), doi,
+                           preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bqkgd,bskd->bkgqs", doi, vj, preferred_element_type=jnp.float32)
+      ds = (p * (dp - delta[i][..., None])).astype(q.dtype)
+      dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qi, preferred_element_type=jnp.float32)
+      dqi = jnp.einsum("bkgqs,bskd->bqkgd", ds, kj, preferred_element_type=jnp.float32)
+      return dq.at[i].add(dqi * scale), dk, dv
+
+    first = (j * bk) // bq if causal else 0
+    zeros = jnp.zeros((batch, bk, kv_heads, d), jnp.float32)
+    dq, dk, dv = jax.lax.fori_loop(first, nq, query_block, (dq, zeros, zeros))
+    return dq, (dk, dv)
+
+  dq = jnp.zeros((nq, batch, bq, kv_heads, group, d), jnp.float32)
+  dq, (dk, dv) = jax.lax.scan(lambda dq, j: key_block(j, dq), dq, jnp.arange(nk))
+  dq = _merge(dq, q_length).reshape(q.shape).astype(q.dtype)
+  return dq, _merge(dk, kv_length).astype(k.dtype), _merge(dv, kv_length).astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _blockwise(q, k, v, causal: bool, block: int):
+  return _blockwise_forward(q, k, v, causal, block)[0]
+
+
+def _blockwise_fwd(q, k, v, causal, block):
+  out, logsumexp = _blockwise_forward(q, k, v, causal, block)
+  out, logsumexp = checkpoint_name(out, CONTEXT), checkpoint_name(logsumexp, CONTEXT)
+  return out, (q, k, v, out, logsumexp)
+
+
+def _blockwise_bwd(causal, block, residuals, d_out):
+  return _blockwise_backward(*residuals, d_out, causal, block)
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def blockwise(q, k, v, causal: bool, block: int | None = None):
+  """Flash-style attention in plain JAX (module docstring); `block` queries/keys per block
+  (default BLOCK)."""
+  return _blockwise(q, k, v, causal, block or BLOCK)
+
+
+# --- splash (TPU) -----------------------------------------------------------------------------
+
+def splash_block(q_length: int, kv_length: int) -> int | None:
+  """The splash block size for these lengths, or None when no 128-multiple divides both."""
+  return next((b for b in SPLASH_BLOCKS if q_length % b == 0 and kv_length % b == 0), None)
+
+
+def _splash_local(q, k, v, causal: bool, interpret: bool):
+  """Splash on one device's block: q (batch, q_len, heads, d), k/v (batch, kv_len, kv, d)."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
+      splash_attention_kernel as kernel_lib, splash_attention_mask as mask_lib)
+  q_length, heads, d = q.shape[1:]
+  kv_length = k.shape[1]
+  block = splash_block(q_length, kv_length)
+  one = (mask_lib.CausalMask((q_length, kv_length)) if causal
+         else mask_lib.FullMask((q_length, kv_length)))
+  kernel = kernel_lib.make_splash_mha(
+      mask_lib.MultiHeadMask([one] * heads), head_shards=1, q_seq_shards=1,
+      block_sizes=kernel_lib.BlockSizes(
+          block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+          block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block),
+      residual_checkpoint_name=CONTEXT, interpret=interpret)
+  heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # (batch, heads, length, d)
+  out = jax.vmap(kernel)(heads_major(_prescaled(q)), heads_major(k), heads_major(v))
+  return heads_major(out)
+
+
+def splash(q, k, v, causal: bool):
+  """The Pallas splash kernel per device over the batch and head axes the rules split."""
+  if splash_block(q.shape[1], k.shape[1]) is None:
+    raise ValueError(f"splash attention needs lengths that are multiples of 128, not "
+                     f"{q.shape[1]} queries / {k.shape[1]} keys; use model.attention='auto'")
+  if sharding.logical_ways("heads") != sharding.logical_ways("kv_heads"):
+    # Heads and kv_heads split differently: local query heads would not line up with their
+    # key/value heads, so give every query head its own copy.
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    kv_axes = ("batch", None, "heads", None)
+  else:
+    kv_axes = ("batch", None, "kv_heads", None)
+  q_axes = ("batch", None, "heads", None)
+  local = functools.partial(_splash_local, causal=causal, interpret=platform() != "tpu")
+  return sharding.logical_shard_map(local, in_axes=(q_axes, kv_axes, kv_axes),
+                                    out_axes=q_axes)(q, k, v)
+
+
+# --- selection --------------------------------------------------------------------------------
+
+IMPLEMENTATIONS: dict[str, Callable] = {
+    "xla": xla, "blockwise": blockwise, "splash": splash, "cudnn": cudnn}
+CHOICES = ("auto",) + tuple(IMPLEMENTATIONS)
+
+
+def resolve(implementation: str, q_shape, kv_shape, dtype, on: str | None = None) -> str:
+  """The implementation `implementation` stands for on platform `on` (default `platform()`):
+  itself, or for "auto" splash on TPU (lengths multiples of 128), cudnn on GPU within its
+  limits, else xla below BLOCKWISE_FROM keys and blockwise from there."""
+  if implementation != "auto":
+    return implementation
+  on = on or platform()
+  q_length, kv_length, head_dim = q_shape[1], kv_shape[1], q_shape[-1]
+  if on == "tpu" and splash_block(q_length, kv_length) is not None:
+    return "splash"
+  if on == "gpu" and cudnn_supports(q_shape, kv_shape, head_dim, dtype):
+    return "cudnn"
+  return "blockwise" if kv_length >= BLOCKWISE_FROM else "xla"
+
+
+def attend(q, k, v, causal: bool = True, implementation: str = "auto"):
+  """Attention by `implementation` (module docstring); the output is named CONTEXT."""
+  name = resolve(implementation, q.shape, k.shape, q.dtype)
+  if name not in IMPLEMENTATIONS:
+    raise ValueError(f"attention implementation {name!r} is unknown; choose one of "
+                     f"{', '.join(CHOICES)}")
+  return checkpoint_name(IMPLEMENTATIONS[name](q, k, v, causal), CONTEXT)
+

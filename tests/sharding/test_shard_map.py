@@ -1,0 +1,86 @@
+"""`sharding.logical_shard_map` and the queries beside it: per-device code under logical axes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import sharding
+from sharding import ShardingError
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return sharding.make_mesh([("fsdp", 4), ("tensor", 2)])
+
+
+RULES = sharding.Rules.preset("fsdp_tp")
+
+
+def test_without_rules_the_function_runs_directly():
+  seen = []
+
+  def fn(x):
+    seen.append(x.shape)
+    return x * 2
+
+  out = sharding.logical_shard_map(fn, in_axes=(("batch", "heads"),),
+                                   out_axes=("batch", "heads"))(jnp.ones((8, 4)))
+  assert seen == [(8, 4)] and float(out.sum()) == 64
+  assert sharding.active_mesh() is None and sharding.mesh_axes("batch") == ()
+  assert sharding.logical_ways("batch") == 1
+
+
+def test_under_rules_each_device_sees_its_block(mesh):
+  shapes = []
+
+  def per_device(x, y):
+    shapes.append((x.shape, y.shape))
+    # constrain is a no-op on blocks (it would fail inside shard_map otherwise).
+    x = sharding.constrain(x, ("batch", "heads"))
+    return x + jnp.sum(y), y * 3
+
+  x = jnp.arange(8 * 4, dtype=jnp.float32).reshape(8, 4)
+  y = jnp.ones((8,), jnp.float32)
+
+  @jax.jit
+  def run(x, y):
+    with sharding.activation_rules(RULES, mesh):
+      assert sharding.mesh_axes("batch") == ("fsdp",)
+      assert sharding.mesh_axes("heads") == ("tensor",)
+      assert sharding.logical_ways("batch") == 4 and sharding.logical_ways("embed") == 1
+      assert sharding.active_mesh() is mesh
+      return sharding.logical_shard_map(
+          per_device, in_axes=(("batch", "heads"), ("batch",)),
+          out_axes=(("batch", "heads"), ("batch",)))(x, y)
+
+  added, tripled = run(x, y)
+  assert shapes == [((2, 2), (2,))]  # 8 rows over fsdp 4, 4 heads over tensor 2
+  # y's block sums to 2 on every device; x's blocks come back in place.
+  np.testing.assert_array_equal(added, np.asarray(x) + 2)
+  assert added.sharding.spec == P("fsdp", "tensor")
+  np.testing.assert_array_equal(tripled, np.full(8, 3.0))
+
+
+def test_indivisible_dimensions_name_the_axis(mesh):
+  @jax.jit
+  def run(x):
+    with sharding.activation_rules(RULES, mesh):
+      return sharding.logical_shard_map(lambda a: a, in_axes=(("batch", None),),
+                                        out_axes=("batch", None))(x)
+
+  with pytest.raises(ShardingError, match=r"dimension 0 \(batch\) has size 6, not divisible"):
+    run(jnp.ones((6, 2)))
+
+
+def test_inputs_are_resharded_to_the_blocks(mesh):
+  """An input laid out otherwise (replicated) still arrives as blocks."""
+  x = jax.device_put(jnp.arange(16.0).reshape(8, 2), NamedSharding(mesh, P()))
+
+  @jax.jit
+  def run(x):
+    with sharding.activation_rules(RULES, mesh):
+      return sharding.logical_shard_map(lambda a: a * jnp.float32(a.shape[0]),
+                                        in_axes=(("batch", None),), out_axes=("batch", None))(x)
+
+  np.testing.assert_array_equal(run(x), np.arange(16.0).reshape(8, 2) * 2)
