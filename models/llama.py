@@ -58,6 +58,11 @@ class LlamaConfig:
   causal: bool = True
   # models.attention: auto, xla, blockwise, splash, cudnn (decoding one token keeps its own).
   attention: str = "auto"
+  # Tokens per device whose logits the training loss holds at once (the vocabulary loss runs
+  # over chunks of positions and never holds all float32 logits or their gradient); 0 = one
+  # pass over full logits. z_loss: weight of mean(logsumexp^2) added to the loss (0 = off).
+  loss_chunk: int = 2048
+  z_loss: float = 0.0
 
   @property
   def resolved_head_dim(self) -> int:
@@ -93,6 +98,11 @@ class LlamaConfig:
     if self.attention not in attention_lib.CHOICES:
       raise ValueError(f"{field}.attention={self.attention!r}; use one of "
                        f"{', '.join(attention_lib.CHOICES)}")
+    if self.loss_chunk < 0:
+      raise ValueError(f"{field}.loss_chunk={self.loss_chunk} must be >= 0 (0 computes the "
+                       f"loss over full logits)")
+    if not 0 <= self.z_loss < float("inf"):
+      raise ValueError(f"{field}.z_loss={self.z_loss} must be a finite number >= 0 (0 is off)")
     self._validate_rope(field)
 
   def _validate_rope(self, field: str) -> None:
@@ -349,23 +359,32 @@ class Llama(nnx.Module):
                             cfg.init_std, cfg.param_dtype)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-    cfg = self.cfg
+    return self._logits(self.features(tokens, positions))
+
+  def features(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """The final norm's output (batch, length, embed) in the compute dtype: what the
+    unembedding turns into logits. Losses that never hold full logits start here."""
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x = self._embed(tokens)
-    x = self._run_layers(x, positions)
-    return self._logits(x)
+    return self.final_norm(self._run_layers(x, positions))
+
+  def unembedding(self) -> tuple[jax.Array, str]:
+    """(the output matrix in the compute dtype, its einsum letters): the tied embedding
+    (vocab, embed) "ve", or the separate unembedding (embed, vocab) "ev". Logits are
+    einsum(f"bte,{letters}->btv", features, matrix)."""
+    dtype = self.cfg.compute_dtype
+    if self.cfg.tie_embeddings:
+      return self.embed[...].astype(dtype), "ve"
+    return self.unembed[...].astype(dtype), "ev"
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.compute_dtype)
     return constrain(x, ("batch", "length", "embed"))
 
-  def _logits(self, x: jax.Array) -> jax.Array:
-    x = self.final_norm(x)
-    if self.cfg.tie_embeddings:
-      logits = jnp.einsum("bte,ve->btv", x, self.embed[...].astype(x.dtype))
-    else:
-      logits = x @ self.unembed[...].astype(x.dtype)
+  def _logits(self, features: jax.Array) -> jax.Array:
+    matrix, letters = self.unembedding()
+    logits = jnp.einsum(f"bte,{letters}->btv", features, matrix)
     return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
   # --- generation with a KV cache ------------------------------------------------------------
@@ -383,7 +402,7 @@ class Llama(nnx.Module):
     x = self._embed(tokens)
     x, (k, v) = self._layers_with_cache(x, lambda block, h, _: block.prefill(h, positions), None)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # (batch, 1, embed)
-    return self._logits(last)[:, 0], {"k": k, "v": v}
+    return self._logits(self.final_norm(last))[:, 0], {"k": k, "v": v}
 
   def decode(self, tokens: jax.Array, positions: jax.Array,
              cache: KVCache) -> tuple[jax.Array, KVCache]:
@@ -395,7 +414,7 @@ class Llama(nnx.Module):
     x, (k, v) = self._layers_with_cache(
         x, lambda block, h, layer_cache: block.decode(h, positions, layer_cache),
         (cache["k"], cache["v"]))
-    return self._logits(x)[:, 0], {"k": k, "v": v}
+    return self._logits(self.final_norm(x))[:, 0], {"k": k, "v": v}
 
   def _layers_with_cache(self, x: jax.Array, apply, per_layer):
     """Runs `apply(block, x, per_layer[i]) -> (x, out_i)` over the layers (scanned or

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
+from toolkit.training import losses
 from toolkit.training.state import State, StateLayout
 
 Batch = dict[str, jax.Array]
@@ -48,10 +49,16 @@ def make_optimizer(opt_config, total_steps: int,
 
 
 def cross_entropy_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> jax.Array:
-  """Mean next-token cross-entropy (nats) of batch["targets"] given batch["inputs"]."""
-  logits = nnx.merge(graphdef, params)(batch["inputs"])
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-  return jnp.mean(losses)
+  """Mean next-token cross-entropy (nats) of batch["targets"] given batch["inputs"] (over
+  chunks of the vocabulary loss when the model's loss_chunk is set: `toolkit.training.losses`)."""
+  model = nnx.merge(graphdef, params)
+  return losses.next_token_loss(model, batch["inputs"], batch["targets"])[0]
+
+
+def next_token_objective(graphdef: nnx.GraphDef, params, batch: Batch) -> jax.Array:
+  """What an LM trains on: the cross-entropy plus model.z_loss x mean(logsumexp^2)."""
+  model = nnx.merge(graphdef, params)
+  return losses.next_token_objective(model, batch["inputs"], batch["targets"])
 
 
 def split_microbatches(batch: Batch, count: int) -> Batch:
@@ -107,7 +114,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                     evaluate: Callable | None = None) -> TrainStep:
   """`loss(graphdef, params, batch)` -> mean loss (default: next-token cross-entropy) and
   `evaluate(graphdef, params, batch)` -> eval output (default: that loss); see toolkit.tasks."""
-  task_loss = loss or cross_entropy_loss
+  task_loss = loss or next_token_objective
   task_eval = evaluate or cross_entropy_loss
   loss_fn = lambda params, batch: task_loss(graphdef, params, batch)
 

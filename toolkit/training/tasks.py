@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from toolkit.training.step import cross_entropy_loss
+from toolkit.training.step import cross_entropy_loss, next_token_objective
 
 Batch = dict[str, jax.Array]
 
@@ -45,7 +45,7 @@ def lm_summary(results: Sequence[dict]) -> dict:
   return {"loss": loss, "bits_per_byte": loss / math.log(2)}
 
 
-LM = Task(name="lm", unit="tok", loss=cross_entropy_loss, evaluate=lm_eval,
+LM = Task(name="lm", unit="tok", loss=next_token_objective, evaluate=lm_eval,
           summarize=lm_summary)
 
 

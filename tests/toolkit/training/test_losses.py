@@ -1,0 +1,126 @@
+"""The vocabulary loss (toolkit.training.losses): chunked == over full logits, in value and
+gradients, with and without z-loss, sharded and not; and the compiled step's temporaries
+shrink by at least the logits when chunked."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+
+import sharding
+from models import Llama, LlamaConfig
+from tests.tiny_runs import TOLERANCE, assert_trees_close
+from toolkit import training
+from toolkit.training import config as config_lib, losses, step as step_lib
+
+
+def _model(**overrides):
+  cfg = LlamaConfig.preset("tiny", init_std=0.2, **overrides)
+  return Llama(cfg, rngs=nnx.Rngs(params=0))
+
+
+def _batch(batch=4, length=19, vocab=256, seed=0):
+  tokens = jax.random.randint(jax.random.key(seed), (batch, length + 1), 0, vocab)
+  return tokens[:, :-1], tokens[:, 1:]
+
+
+def _objective_and_grads(model, inputs, targets):
+  graphdef, params = nnx.split(model)
+
+  @jax.jit
+  def run(params):
+    fn = lambda p: losses.next_token_objective(nnx.merge(graphdef, p), inputs, targets)
+    return jax.value_and_grad(fn)(params)
+
+  return run(params)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
+@pytest.mark.parametrize("loss_chunk", [4, 12, 4096])  # 19 positions: 1, 3 and 19 per chunk
+def test_chunked_equals_full_logits(tie, z_loss, loss_chunk):
+  inputs, targets = _batch()
+  full = _objective_and_grads(_model(tie_embeddings=tie, z_loss=z_loss, loss_chunk=0),
+                              inputs, targets)
+  chunked = _objective_and_grads(
+      _model(tie_embeddings=tie, z_loss=z_loss, loss_chunk=loss_chunk), inputs, targets)
+  np.testing.assert_allclose(chunked[0], full[0], **TOLERANCE)
+  assert_trees_close(chunked[1], full[1], **TOLERANCE)
+  # The z-loss adds weight x mean(logsumexp^2), which is > 0 here.
+  if z_loss:
+    ce, z = losses.next_token_loss(_model(tie_embeddings=tie, loss_chunk=loss_chunk), inputs,
+                                   targets)
+    np.testing.assert_allclose(chunked[0], ce + z_loss * z, **TOLERANCE)
+    assert z > 0
+
+
+def test_eval_losses_agree_and_skip_the_gradient_work():
+  inputs, targets = _batch(seed=1)
+  full = losses.next_token_loss(_model(loss_chunk=0), inputs, targets)
+  chunked = losses.next_token_loss(_model(loss_chunk=8), inputs, targets)
+  np.testing.assert_allclose(chunked, full, **TOLERANCE)
+  # Undifferentiated, the chunked objective computes losses only: its jaxpr has the logits
+  # matmul and no gradient matmuls (a scan over chunks with one dot_general).
+  model = _model(loss_chunk=8)
+  matrix, letters = model.unembedding()
+  jaxpr = jax.make_jaxpr(lambda f: losses.chunked_objective(f, matrix, targets, letters, 2,
+                                                            0.0))(model.features(inputs))
+  text = str(jaxpr)
+  assert text.count("dot_general") == 1, text
+
+
+def test_sharded_chunked_equals_unsharded_full():
+  """fsdp 4 x tensor 2 under fsdp_tp (vocab split over tensor), chunks of 2 positions."""
+  inputs, targets = _batch(batch=8, length=16, seed=2)
+  full = _objective_and_grads(_model(loss_chunk=0), inputs, targets)
+  model = _model(loss_chunk=4)  # 2 rows per device x 2 positions
+  graphdef, params = nnx.split(model)
+  mesh = sharding.make_mesh([("fsdp", 4), ("tensor", 2)])
+  rules = sharding.Rules.preset("fsdp_tp")
+  rows = NamedSharding(mesh, rules.activation_spec(("batch", "length"), mesh))
+
+  @jax.jit
+  def run(params, inputs, targets):
+    with sharding.activation_rules(rules, mesh):
+      assert losses.chunk_positions(4, 8 // sharding.logical_ways("batch"), 16) == 2
+      fn = lambda p: losses.next_token_objective(nnx.merge(graphdef, p), inputs, targets)
+      return jax.value_and_grad(fn)(params)
+
+  sharded = run(params, jax.device_put(inputs, rows), jax.device_put(targets, rows))
+  np.testing.assert_allclose(sharded[0], full[0], **TOLERANCE)
+  assert_trees_close(sharded[1], full[1], **TOLERANCE)
+
+
+def _temporaries(loss_chunk: int) -> int:
+  """Temporary bytes of the compiled train step of a 32k-vocabulary model on one device."""
+  config = config_lib.defaults()
+  config.model.update(d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, mlp_dim=128,
+                      vocab_size=32_000, loss_chunk=loss_chunk)
+  config.mesh.ici = "data:1"
+  config.sharding.preset = "dp"
+  config.data.update(source="synthetic", seq_len=256, global_batch_size=8, eval_batches=1)
+  setup = training.build(config, jax.devices()[:1])
+  train, _ = step_lib.compile_step(setup.step, setup.layout, setup.batches.abstract(),
+                                   setup.spec.mesh)
+  return train.memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_step_temporaries_shrink_by_at_least_the_logits():
+  logits_bytes = 8 * 256 * 32_000 * 4   # (tokens, vocab) float32: 262 MB
+  full, chunked = _temporaries(0), _temporaries(512)
+  assert full - chunked >= logits_bytes, (full, chunked)
+
+
+def test_loss_chunk_is_checked():
+  with pytest.raises(ValueError, match="model.loss_chunk=-1 must be >= 0"):
+    dataclasses.replace(LlamaConfig.preset("tiny"), loss_chunk=-1).validate()
+  with pytest.raises(ValueError, match="model.z_loss=-0.1 must be a finite number >= 0"):
+    dataclasses.replace(LlamaConfig.preset("tiny"), z_loss=-0.1).validate()
+
+
+def test_chunk_positions():
+  assert losses.chunk_positions(2048, rows=32, length=2048) == 64
+  assert losses.chunk_positions(2048, rows=1, length=256) == 256   # at most the length
+  assert losses.chunk_positions(4, rows=8, length=256) == 1        # at least one position

@@ -1,0 +1,168 @@
+"""The next-token loss over the vocabulary, in one pass over full logits or in chunks that
+never hold the full (tokens, vocab) float32 logits or their gradient.
+
+  next_token_loss(model, inputs, targets) -> (mean cross-entropy, mean logsumexp^2)
+  next_token_objective(model, inputs, targets) -> cross-entropy + model.cfg.z_loss x the other
+
+both float32 nats. With `model.cfg.loss_chunk` > 0 the final features (batch, length, embed)
+are split into chunks of positions holding about `loss_chunk` tokens per device ((rows per
+device) x positions). A chunk takes every n-th position (positions c, c + n, ...), so a length
+split over devices (context parallelism) still gives every device its share of each chunk.
+
+Differentiated, the chunked objective computes its gradient in the forward pass, chunk by
+chunk: the loss is the last thing the step computes, so the only cotangent it will ever get is
+one scalar, and scaling gradients computed for a cotangent of 1 is exact. Each chunk's logits
+become their softmax gradient at once and fold into the features' gradient (kept per chunk)
+and the output matrix's (accumulated in float32). No logits are saved or computed twice: the
+three output-layer matmuls of the full-logits path, no more, and peak memory holds one chunk.
+Not differentiated (eval), only the losses are computed.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import sharding
+
+# A chunk's tokens are flattened to one (rows x positions) dimension, batch-major: matmuls of
+# (tokens, embed) x (embed, vocab) run faster on XLA's CPU backend than with batch and
+# positions kept apart (models.llama.dense), and it shards like the batch.
+_LOGITS_AXES = ("batch", "vocab")
+
+
+def full_logits_loss(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(mean cross-entropy, mean logsumexp^2) from float32 logits (batch, length, vocab)."""
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  return jnp.mean(ce), jnp.mean(lse * lse)
+
+
+def chunk_positions(loss_chunk: int, rows: int, length: int) -> int:
+  """Positions per chunk: `loss_chunk` tokens per device over its `rows` rows (at least one
+  position, at most the whole length)."""
+  return max(1, min(length, loss_chunk // max(rows, 1)))
+
+
+def _strided(x, count: int, chunk: int):
+  """(batch, count * chunk, ...) -> (count, batch, chunk, ...); position i * count + c goes to
+  chunk c, row i of it."""
+  return jnp.moveaxis(x.reshape(x.shape[0], chunk, count, *x.shape[2:]), 2, 0)
+
+
+def _chunks(features, targets, chunk: int):
+  """Strided chunks of the features, targets and weights (0 on padding positions), each
+  chunk's (rows, positions) flattened: (count, tokens, embed) and (count, tokens)."""
+  batch, length = targets.shape
+  count = -(-length // chunk)
+  pad = ((0, 0), (0, count * chunk - length))
+  weights = jnp.pad(jnp.ones((batch, length), jnp.float32), pad)
+  flat = lambda x: x.reshape(count, batch * chunk, *x.shape[3:])
+  return (flat(_strided(jnp.pad(features, pad + ((0, 0),)), count, chunk)),
+          flat(_strided(jnp.pad(targets, pad), count, chunk)),
+          flat(_strided(weights, count, chunk)))
+
+
+def _unchunk(x, batch: int, length: int):
+  """Inverse of `_chunks` for (count, tokens, embed) -> (batch, length, embed)."""
+  x = jnp.moveaxis(x.reshape(x.shape[0], batch, -1, x.shape[-1]), 0, 2)
+  return x.reshape(batch, -1, x.shape[-1])[:, :length]
+
+
+def _chunk_losses(f, t, w, matrix, letters: str):
+  """One chunk, flattened: f (tokens, embed), t and w (tokens,). Its logits, logsumexp, and
+  weighted cross-entropy and logsumexp^2 sums."""
+  logits = sharding.constrain(jnp.einsum(f"ne,{letters}->nv", f, matrix,
+                                         preferred_element_type=jnp.float32), _LOGITS_AXES)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+  return logits, lse, ((lse - target_logit) * w).sum(), (lse * lse * w).sum()
+
+
+def chunked_losses(features, matrix, targets, letters: str, chunk: int):
+  """(mean cross-entropy, mean logsumexp^2) over chunks of `chunk` positions; features
+  (batch, length, embed), matrix and letters as `Llama.unembedding` gives them. For metrics:
+  differentiate `chunked_objective`."""
+  def one(sums, xs):
+    _, _, ce, z = _chunk_losses(*xs, matrix, letters)
+    return (sums[0] + ce, sums[1] + z), None
+
+  zero = jnp.zeros((), jnp.float32)
+  (ce, z), _ = jax.lax.scan(one, (zero, zero), _chunks(features, targets, chunk))
+  return ce / targets.size, z / targets.size
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def chunked_objective(features, matrix, targets, letters: str, chunk: int, z_loss: float):
+  """mean cross-entropy + z_loss x mean logsumexp^2, over chunks (module docstring)."""
+  ce, z = chunked_losses(features, matrix, targets, letters, chunk)
+  return ce + z_loss * z
+
+
+def _objective_and_grads(features, matrix, targets, letters, chunk, z_loss):
+  """The objective and its gradients for a cotangent of 1, chunk by chunk."""
+  scale = 1.0 / targets.size
+
+  def one(carry, xs):
+    ce_sum, z_sum, d_matrix = carry
+    f, t, w = xs
+    logits, lse, ce, z = _chunk_losses(f, t, w, matrix, letters)
+    probs = jnp.exp(logits - lse[..., None])
+    hot = jnp.arange(logits.shape[-1]) == t[..., None]
+    # d/dlogits of (ce + z_loss * lse^2) / tokens, zero on padding.
+    d_logits = (probs * (1.0 + 2.0 * z_loss * lse)[..., None] - hot) * (w * scale)[..., None]
+    d_logits = sharding.constrain(d_logits.astype(matrix.dtype), _LOGITS_AXES)
+    d_features = jnp.einsum(f"nv,{letters}->ne", d_logits, matrix,
+                            preferred_element_type=jnp.float32).astype(features.dtype)
+    d_matrix = d_matrix + jnp.einsum(f"nv,ne->{letters}", d_logits, f,
+                                     preferred_element_type=jnp.float32)
+    return (ce_sum + ce, z_sum + z, d_matrix), d_features
+
+  zero = jnp.zeros((), jnp.float32)
+  (ce, z, d_matrix), d_features = jax.lax.scan(
+      one, (zero, zero, jnp.zeros(matrix.shape, jnp.float32)),
+      _chunks(features, targets, chunk))
+  objective = (ce + z_loss * z) * scale
+  return objective, (_unchunk(d_features, *targets.shape), d_matrix.astype(matrix.dtype))
+
+
+def _objective_fwd(features, matrix, targets, letters, chunk, z_loss):
+  return _objective_and_grads(features, matrix, targets, letters, chunk, z_loss)
+
+
+def _objective_bwd(letters, chunk, z_loss, grads, cotangent):
+  del letters, chunk, z_loss
+  d_features, d_matrix = grads
+  return (d_features * cotangent).astype(d_features.dtype), \
+      (d_matrix * cotangent).astype(d_matrix.dtype), None
+
+
+chunked_objective.defvjp(_objective_fwd, _objective_bwd)
+
+
+def _chunk_of(model, targets) -> int:
+  rows = targets.shape[0] // sharding.logical_ways("batch")
+  return chunk_positions(model.cfg.loss_chunk, rows, targets.shape[1])
+
+
+def next_token_loss(model, inputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(mean cross-entropy, mean logsumexp^2) of `targets` given `inputs` under a Llama:
+  chunked when model.cfg.loss_chunk > 0, else over full logits. For metrics (eval)."""
+  if not model.cfg.loss_chunk:
+    return full_logits_loss(model(inputs), targets)
+  matrix, letters = model.unembedding()
+  return chunked_losses(model.features(inputs), matrix, targets, letters,
+                        _chunk_of(model, targets))
+
+
+def next_token_objective(model, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+  """What an LM trains on: mean cross-entropy + model.cfg.z_loss x mean logsumexp^2."""
+  z_loss = float(model.cfg.z_loss)
+  if not model.cfg.loss_chunk:
+    ce, z = full_logits_loss(model(inputs), targets)
+    return ce + z_loss * z if z_loss else ce
+  matrix, letters = model.unembedding()
+  return chunked_objective(model.features(inputs), matrix, targets, letters,
+                           _chunk_of(model, targets), z_loss)
