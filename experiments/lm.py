@@ -13,7 +13,8 @@ Variants after the colon, comma separated:
   tiny         the unit-test size: 2 layers, d_model 32, 10 steps
   size=NAME    model preset: tiny, cpu, 125m, 1b, 7b, 70b; the real sizes (125m and up) also
                set pod-scale batches (0.5 M to 4 M tokens per step, sequences of 1024 to
-               4096) and take the chip's peak FLOP/s from toolkit/accelerators.py
+               4096; the 1b in 2 micro-batches), fsdp over every chip (mesh fsdp:-1, rules
+               fsdp) and take the chip's peak FLOP/s from toolkit/accelerators.py
   rules=NAME   sharding preset: dp, fsdp, tp, fsdp_tp
   data=NAME    stdlib_docs, synthetic, or tokens (shards from scripts/prepare_text.py, read
                through Grain: add --config.data.path=DIR --config.model.vocab_size=384)
@@ -71,9 +72,12 @@ def get_config(arg: str | None = None):
   return config
 
 
-# Pod-scale batches for the real sizes: (sequence length, global batch in sequences), i.e.
-# 0.5 M tokens per step for 125m, 1 M for 1b and 7b, 4 M for 70b (Llama-style budgets).
-_POD_DATA = {"125m": (1024, 512), "1b": (2048, 512), "7b": (4096, 256), "70b": (4096, 1024)}
+# Pod-scale batches for the real sizes: (sequence length, global batch in sequences,
+# micro-batches), i.e. 0.5 M tokens per step for 125m, 1 M for 1b and 7b, 4 M for 70b
+# (Llama-style budgets). The 1b's 64 k tokens per chip of a 16-chip slice leave a 16 GiB v5e
+# chip short by 3 GiB in one micro-batch (measured: docs/compile.md), so it takes two.
+_POD_DATA = {"125m": (1024, 512, 1), "1b": (2048, 512, 2), "7b": (4096, 256, 1),
+             "70b": (4096, 1024, 1)}
 
 
 def _set_model(config, preset: str) -> None:
@@ -82,9 +86,14 @@ def _set_model(config, preset: str) -> None:
                      f"{', '.join(MODEL_PRESETS)}")
   config.model.update(dataclasses.asdict(MODEL_PRESETS[preset]))
   if preset in _POD_DATA:
-    seq_len, batch = _POD_DATA[preset]
+    seq_len, batch, microbatches = _POD_DATA[preset]
     config.data.update(seq_len=seq_len, global_batch_size=batch)
     config.train.peak_flops_per_device = 0.0
+    config.train.microbatches = microbatches
+    # ZeRO-3 over every chip: at these sizes the parameters fit any slice split that way,
+    # and the batch splits as many ways as there are chips.
+    config.mesh.ici = "data:1,fsdp:-1,tensor:1"
+    config.sharding.preset = "fsdp"
 
 
 _SWEEPS = ("cpu", "grid", "halving", "tiny")

@@ -14,11 +14,22 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from models import attention as attention_lib
 from sharding import constrain
 
-RematPolicy = Literal["none", "full", "save_dots"]
+# What each layer keeps for the backward pass (the rest is recomputed there):
+#   none            everything
+#   save_dots       every matmul output without batch dimensions: the q/k/v/output and MLP
+#                   projections (attention kernels and the XLA scores are recomputed)
+#   minimal         the q/k/v projections, the attention output (with the kernels' softmax
+#                   statistics: attention never reruns) and the MLP's gate and up
+#                   projections; not the scores, not the MLP hidden, not the output projections
+#   save_attention  q/k/v and the attention output only: the MLP is recomputed
+#   full            nothing but each layer's input
+RematPolicy = Literal["none", "save_dots", "minimal", "save_attention", "full"]
+REMAT_POLICIES = ("none", "save_dots", "minimal", "save_attention", "full")
 
 # Logical axes of one layer's key or value cache; the stacked cache has "layers" in front.
 CACHE_AXES = ("batch", "length", "kv_heads", "head_dim")
@@ -93,8 +104,8 @@ class LlamaConfig:
     for name in ("param_dtype", "compute_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16"):
         raise ValueError(f"{field}.{name}={getattr(self, name)!r}; use 'float32' or 'bfloat16'")
-    if self.remat not in ("none", "full", "save_dots"):
-      raise ValueError(f"{field}.remat={self.remat!r}; use 'none', 'full' or 'save_dots'")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"{field}.remat={self.remat!r}; use one of {', '.join(REMAT_POLICIES)}")
     if self.attention not in attention_lib.CHOICES:
       raise ValueError(f"{field}.attention={self.attention!r}; use one of "
                        f"{', '.join(attention_lib.CHOICES)}")
@@ -155,9 +166,9 @@ PRESETS: dict[str, LlamaConfig] = {
                       mlp_dim=8192, rope_theta=500_000.0, rope_type="llama3", rope_factor=32.0,
                       rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                       rope_original_max_positions=8192, norm_eps=1e-5, tie_embeddings=True,
-                      compute_dtype="bfloat16", remat="save_dots"),
+                      compute_dtype="bfloat16", remat="full"),
     "7b": LlamaConfig(vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
-                      mlp_dim=11_008, compute_dtype="bfloat16", remat="save_dots"),
+                      mlp_dim=11_008, compute_dtype="bfloat16", remat="minimal"),
     "70b": LlamaConfig(vocab_size=32_000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                        mlp_dim=28_672, compute_dtype="bfloat16", remat="full"),
 }
@@ -234,7 +245,7 @@ class Attention(nnx.Module):
     q = constrain(rotary(q, positions, inv_freq), ("batch", "length", "heads", None))
     k = constrain(rotary(k, positions, inv_freq), ("batch", "length", "kv_heads", None))
     v = constrain(v, ("batch", "length", "kv_heads", None))
-    return q, k, v
+    return checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
 
   def _output(self, out: jax.Array) -> jax.Array:
     return jnp.einsum("bthd,hde->bte", out, self.wo[...].astype(out.dtype))
@@ -276,9 +287,9 @@ class MLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     dtype = x.dtype
-    gate = x @ self.w_gate[...].astype(dtype)
-    hidden = constrain(jax.nn.silu(gate) * (x @ self.w_up[...].astype(dtype)),
-                       ("batch", "length", "mlp"))
+    gate = checkpoint_name(x @ self.w_gate[...].astype(dtype), "mlp_gate")
+    up = checkpoint_name(x @ self.w_up[...].astype(dtype), "mlp_up")
+    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
     return hidden @ self.w_down[...].astype(dtype)
 
 
@@ -314,6 +325,10 @@ class Block(nnx.Module):
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "minimal": jax.checkpoint_policies.save_only_these_names(
+        "query", "key", "value", attention_lib.CONTEXT, "mlp_gate", "mlp_up"),
+    "save_attention": jax.checkpoint_policies.save_only_these_names(
+        "query", "key", "value", attention_lib.CONTEXT),
 }
 
 

@@ -9,7 +9,8 @@ Answered from a laptop by the real compiler (toolkit/pod/aot.py explains the rep
 
 Exit status: 0 fits (or a CPU target), 1 does not fit (or the compiler failed otherwise: its
 first line is the error), 2 bad input (flags, config, sharding lint), each as one `error:` line.
-`--plan` searches meshes, rules, remat and micro-batches instead (toolkit/pod/planner.py).
+`--plan` searches meshes, rules, remat, micro-batches, attention and loss chunking instead
+(toolkit/pod/planner.py).
 """
 from __future__ import annotations
 
@@ -34,14 +35,45 @@ def _choices(values: list[str], known, flag: str) -> list[str]:
   return values
 
 
-def _counts(values: list[str]) -> list[int]:
+def _counts(values: list[str], flag: str = "--plan_microbatches", least: int = 1) -> list[int]:
   try:
     counts = [int(v) for v in values]
   except ValueError:
-    counts = [0]
-  if not counts or min(counts) < 1:
-    raise LintError(f"--plan_microbatches={','.join(values)}: give positive integers, e.g. 1,2,4")
+    counts = [least - 1]
+  if not counts or min(counts) < least:
+    kind = "positive integers, e.g. 1,2,4" if least else "integers >= 0, e.g. 2048,0"
+    raise LintError(f"{flag}={','.join(values)}: give {kind}")
   return counts
+
+
+def _plan(config, target, flag_values: dict, budget_s: float) -> None:
+  """--plan: search, print the ranking, write the plan (and the JSON); exits non-zero when
+  nothing fits."""
+  from toolkit.pod import planner  # pylint: disable=g-import-not-at-top
+  from models import attention  # pylint: disable=g-import-not-at-top
+  from models.llama import REMAT_POLICIES  # pylint: disable=g-import-not-at-top
+  chunks = flag_values["plan_loss_chunk"]
+  outcome = planner.search(
+      config, target, budget_s=budget_s, workers=flag_values["plan_workers"],
+      presets=_choices(flag_values["plan_presets"], sharding.PRESETS, "--plan_presets"),
+      remats=_choices(flag_values["plan_remat"], REMAT_POLICIES, "--plan_remat"),
+      microbatches=_counts(flag_values["plan_microbatches"]),
+      attentions=_choices(flag_values["plan_attention"], attention.CHOICES, "--plan_attention"),
+      loss_chunks=_counts(chunks, "--plan_loss_chunk", least=0) if chunks else None,
+      log=lambda line: print(line, flush=True))
+  print(planner.format_ranking(outcome))
+  if flag_values["json"]:
+    with open(flag_values["json"], "w") as f:
+      json.dump(outcome.as_dict(), f, indent=2, default=str)
+  if not outcome.best:
+    unfinished = sum(c.status == "budget" for c in outcome.candidates)
+    if unfinished:
+      command_line.fail(f"no candidate fits among those compiled; {unfinished} were not "
+                        f"compiled within --plan_budget_s={budget_s:g}: raise it, "
+                        f"or narrow --plan_presets / --plan_remat", DOES_NOT_FIT)
+    command_line.fail("no candidate fits (see the table above); use a larger topology, "
+                      "more slices, or a smaller batch or model", DOES_NOT_FIT)
+  print(planner.finish(outcome, flag_values["plan_out"], sys.argv))
 
 
 def cli() -> None:
@@ -64,16 +96,19 @@ def cli() -> None:
       "candidates the analytic estimate keeps, rank those that fit, write the best as a plan.")
   budget_flag = flags.DEFINE_float("plan_budget_s", 600.0, "Wall-clock budget of --plan's "
                                    "compiles, in seconds.")
-  plan_out_flag = flags.DEFINE_string("plan_out", "plan.json", "Where --plan writes the plan.")
-  workers_flag = flags.DEFINE_integer("plan_workers", 0, "Parallel compile processes for "
-                                      "--plan; 0 picks from CPU cores and free memory.")
-  presets_flag = flags.DEFINE_list("plan_presets", "dp,fsdp,tp,fsdp_tp",
-                                   "Rules presets --plan tries.")
-  remat_flag = flags.DEFINE_list("plan_remat", "none,save_dots,full", "Remat policies --plan "
-                                 "tries.")
-  micro_flag = flags.DEFINE_list("plan_microbatches", "1,2,4,8,16,32,64", "Micro-batch "
-                                 "counts --plan tries (those that divide the batch; per mesh, "
-                                 "the fewest that fit by the estimate and the next are compiled).")
+  flags.DEFINE_string("plan_out", "plan.json", "Where --plan writes the plan.")
+  flags.DEFINE_integer("plan_workers", 0, "Parallel compile processes for --plan; 0 picks "
+                       "from CPU cores and free memory.")
+  flags.DEFINE_list("plan_presets", "dp,fsdp,tp,fsdp_tp", "Rules presets --plan tries.")
+  flags.DEFINE_list("plan_remat", "none,save_dots,minimal,save_attention,full",
+                    "Remat policies --plan tries.")
+  flags.DEFINE_list("plan_microbatches", "1,2,4,8,16,32,64", "Micro-batch counts --plan "
+                    "tries (those that divide the batch; per mesh, the fewest that fit by the "
+                    "estimate and the next are compiled).")
+  flags.DEFINE_list("plan_attention", "auto,xla", "model.attention values --plan tries "
+                    "(auto is splash on TPU).")
+  flags.DEFINE_list("plan_loss_chunk", "", "model.loss_chunk values --plan tries (0: full "
+                    "logits); empty: the config's own and 0.")
 
   def main(argv) -> None:
     del argv
@@ -89,25 +124,7 @@ def cli() -> None:
       target = target_for(topology_flag.value, slices_flag.value)
       config = config_flag.value
       if plan_flag.value:
-        from toolkit.pod import planner  # pylint: disable=g-import-not-at-top
-        outcome = planner.search(
-            config, target, budget_s=budget_flag.value, workers=workers_flag.value,
-            presets=_choices(presets_flag.value, sharding.PRESETS, "--plan_presets"),
-            remats=_choices(remat_flag.value, ("none", "save_dots", "full"), "--plan_remat"),
-            microbatches=_counts(micro_flag.value), log=lambda line: print(line, flush=True))
-        print(planner.format_ranking(outcome))
-        if json_flag.value:
-          with open(json_flag.value, "w") as f:
-            json.dump(outcome.as_dict(), f, indent=2, default=str)
-        if not outcome.best:
-          unfinished = sum(c.status == "budget" for c in outcome.candidates)
-          if unfinished:
-            command_line.fail(f"no candidate fits among those compiled; {unfinished} were not "
-                              f"compiled within --plan_budget_s={budget_flag.value:g}: raise it, "
-                              f"or narrow --plan_presets / --plan_remat", DOES_NOT_FIT)
-          command_line.fail("no candidate fits (see the table above); use a larger topology, "
-                            "more slices, or a smaller batch or model", DOES_NOT_FIT)
-        print(planner.finish(outcome, plan_out_flag.value, sys.argv))
+        _plan(config, target, flags.FLAGS.flag_values_dict(), budget_flag.value)
         return
       report = compile_report(config, target, hlo_path=hlo_flag.value)
     except (TargetError, LintError, ConfigError, sharding.ShardingError) as e:

@@ -1,5 +1,7 @@
 """The decoder against an independent float64 NumPy reference, and its structural options."""
+import contextlib
 import dataclasses
+import io
 
 import jax
 import jax.numpy as jnp
@@ -137,7 +139,8 @@ def test_attention_is_causal():
 
 
 @pytest.mark.parametrize("remat,scan", [("none", False), ("full", True), ("save_dots", True),
-                                        ("save_dots", False)])
+                                        ("save_dots", False), ("minimal", True),
+                                        ("save_attention", False)])
 def test_remat_and_scan_do_not_change_the_math(remat, scan):
   base = LlamaConfig.preset("tiny", init_std=0.2)
   variant = dataclasses.replace(base, remat=remat, scan_layers=scan)
@@ -150,6 +153,29 @@ def test_remat_and_scan_do_not_change_the_math(remat, scan):
   g0 = nnx.state(nnx.grad(loss)(m0), nnx.Param)
   g1 = nnx.state(nnx.grad(loss)(m1), nnx.Param)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g0, g1)
+
+
+
+@pytest.mark.parametrize("remat,kept,dropped", [
+    ("minimal", {"query", "key", "value", "context", "mlp_gate", "mlp_up"}, set()),
+    ("save_attention", {"query", "key", "value", "context"}, {"mlp_gate", "mlp_up"})])
+def test_named_remat_policies_keep_what_they_say(remat, kept, dropped):
+  """What the backward pass keeps from a layer's forward under the named policies: the named
+  projections and attention output, never a (batch, heads, q, k) score tensor."""
+  cfg = LlamaConfig.preset("tiny", remat=remat, attention="xla", scan_layers=False,
+                           n_layers=1)
+  model, _ = _model_and_params(cfg)
+  graphdef, params = nnx.split(model)
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, 256, size=(2, 16)))
+  loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    jax.ad_checkpoint.print_saved_residuals(loss, params)
+  lines = printed.getvalue().splitlines()
+  names = {line.split("named '")[1].split("'")[0] for line in lines if "named '" in line}
+  assert kept <= names and not dropped & names, names
+  # No (batch, heads, q, k) scores (nor (batch, q, heads, k)) among the residuals.
+  assert not [line for line in lines if line.startswith(("f32[2,4,16,16]", "f32[2,16,4,16]"))]
 
 
 def test_bfloat16_compute_tracks_float32():

@@ -233,8 +233,10 @@ def _flops(shape, target: Target, traced, compiled) -> dict:
            "model_formula_per_device": estimate.model_flops_per_step(shape) / target.chips,
            "analytic_executed_per_device": estimate.executed_flops_per_device(shape),
            "traced_per_step": program_flops(traced.jaxpr),
+           "kernel_attention_per_device": estimate.kernel_attention_flops_per_device(shape),
            "note": FLOPS_NOTE}
-  flops["traced_per_device"] = flops["traced_per_step"] / split
+  flops["traced_per_device"] = (flops["traced_per_step"] / split
+                                + flops["kernel_attention_per_device"])
   if compiled is not None:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -269,7 +271,9 @@ def _run_dict(config: ml_collections.ConfigDict, spec, shape) -> dict:
   return {"params": shape.param_count, "d_model": model.d_model, "n_layers": model.n_layers,
           "vocab_size": model.vocab_size, "param_dtype": model.param_dtype,
           "compute_dtype": model.compute_dtype, "remat": model.remat,
-          "scan_layers": model.scan_layers, "mesh": dict(mesh.shape),
+          "attention": shape.attention, "attention_setting": model.attention,
+          "loss_chunk": model.loss_chunk, "loss_chunk_positions": shape.loss_chunk_positions,
+          "z_loss": model.z_loss, "scan_layers": model.scan_layers, "mesh": dict(mesh.shape),
           "mesh_ici": config.mesh.ici, "mesh_dcn": config.mesh.dcn,
           "preset": spec.rules.name, "global_batch_size": config.data.global_batch_size,
           "seq_len": config.data.seq_len, "microbatches": config.train.microbatches}
@@ -281,7 +285,10 @@ FLOPS_NOTE = (
     "sequences, so it is shown but not used. traced: matmul FLOPs (dot_general, 2 per "
     "multiply-add) of the step's jaxpr, the program XLA compiles, with scan bodies counted "
     "length times and remat recomputation included, divided over the devices that split the "
-    "work (batch axes x tensor). model formula: LlamaConfig.flops_per_token x tokens / devices")
+    "work (batch axes x tensor); a while loop's body (blockwise attention's block loops) counts "
+    "once; the splash kernel's matmuls, invisible in the program, are added by the analytic "
+    "count (toolkit.pod.estimate.attention_flops_per_token). model formula: "
+    "LlamaConfig.flops_per_token x tokens / devices")
 
 
 def program_flops(jaxpr) -> float:

@@ -10,12 +10,20 @@ Memory (bytes):
   gradients     one copy in the parameter dtype; with micro-batches also a float32 accumulator
   activations   what the backward pass keeps per layer under the remat policy, for all layers,
                 plus one layer's full set while it is recomputed or differentiated:
-                  none       everything (norms, q/k/v before and after rotary, attention
-                             probabilities (heads x length per token, float32), MLP hidden)
+                  none       everything (norms, q/k/v before and after rotary, MLP hidden, and
+                             with `xla` attention its probabilities: heads x length per token,
+                             float32 scores and a compute-dtype copy; the kernels keep one
+                             float32 softmax statistic per head instead)
                   save_dots  the layer input and the outputs of the weight matmuls
                              (`dots_with_no_batch_dims_saveable`)
+                  minimal    the layer input, q/k/v, the attention output (and the kernels'
+                             statistic), the MLP's gate and up projections
+                  save_attention  the layer input, q/k/v and the attention output
                   full       the layer input only
-  logits        float32 logits, their gradient and a compute-dtype copy (vocab over tensor)
+  logits        unchunked: float32 logits, their gradient and a compute-dtype copy (vocab over
+                tensor); chunked (model.loss_chunk): the same for one chunk of tokens, one
+                float32 logsumexp per token, the float32 gradient accumulator of the output
+                matrix and the strided copy of the features
   weights_in_use  parameters gathered over fsdp and cast for compute: a layer being used, the
                 next one prefetched and the gradient before it is reduce-scattered, plus the
                 embedding tables
@@ -33,6 +41,8 @@ import math
 
 import sharding
 from models import LlamaConfig
+from models import attention as attention_lib
+from toolkit.training import losses
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -49,6 +59,7 @@ class Shape:
   microbatches: int
   param_bytes_per_device: int         # from the sharding report
   param_count: int
+  platform: str = "tpu"               # of the target's devices: decides model.attention=auto
 
   @property
   def devices(self) -> int:
@@ -63,10 +74,31 @@ class Shape:
                      if a in self.mesh_shape)
 
   @property
+  def rows_per_device(self) -> float:
+    """Sequences of one micro-batch that one device processes (split over batch axes)."""
+    return self.global_batch_size / self.microbatches / self.activation_ways("batch")
+
+  @property
   def tokens_per_device(self) -> float:
-    """Tokens of one micro-batch that one device processes (rows split over batch axes)."""
-    rows = self.global_batch_size / self.microbatches / self.activation_ways("batch")
-    return rows * self.seq_len
+    """Tokens of one micro-batch that one device processes."""
+    return self.rows_per_device * self.seq_len
+
+  @property
+  def attention(self) -> str:
+    """The attention implementation the step runs (model.attention, `auto` resolved)."""
+    m = self.model
+    q_shape = (1, self.seq_len, m.n_heads, m.resolved_head_dim)
+    kv_shape = (1, self.seq_len, m.n_kv_heads, m.resolved_head_dim)
+    return attention_lib.resolve(m.attention, q_shape, kv_shape, m.compute_dtype,
+                                 on=self.platform)
+
+  @property
+  def loss_chunk_positions(self) -> int:
+    """Positions per chunk of the vocabulary loss; 0 when it runs over full logits."""
+    if not self.model.loss_chunk:
+      return 0
+    return losses.chunk_positions(self.model.loss_chunk, int(self.rows_per_device),
+                                  self.seq_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,17 +129,39 @@ def _per_token_layer_bytes(shape: Shape, policy: str) -> float:
   m = shape.model
   a = _BYTES[m.compute_dtype]
   d, hd = m.d_model, m.resolved_head_dim
-  heads = m.n_heads * hd / shape.activation_ways("heads")
+  local_heads = m.n_heads / shape.activation_ways("heads")
+  heads = local_heads * hd
   kv = 2 * m.n_kv_heads * hd / shape.activation_ways("kv_heads")
   mlp = m.mlp_dim / shape.activation_ways("mlp")
   carry = d * a
+  # Per token: xla attention's probabilities (float32 scores and a compute-dtype copy), or
+  # the kernels' float32 softmax statistic per head.
+  kernel = shape.attention != "xla"
+  statistics = local_heads * (4 if kernel else shape.seq_len * (4 + a))
   if policy == "full":
     return carry
   if policy == "save_dots":
     return carry + a * (heads + kv + d + 2 * mlp + d)
-  probabilities = (m.n_heads / shape.activation_ways("heads")) * shape.seq_len * (4 + a)
-  return (carry + a * (d + 2 * (heads + kv) + heads + 3 * d + 4 * mlp) + probabilities
+  if policy == "minimal":
+    return carry + a * (2 * heads + kv + 2 * mlp) + (local_heads * 4 if kernel else 0)
+  if policy == "save_attention":
+    return carry + a * (2 * heads + kv) + (local_heads * 4 if kernel else 0)
+  return (carry + a * (d + 2 * (heads + kv) + heads + 3 * d + 4 * mlp) + statistics
           + 2 * 4 * d)  # the norms' float32 intermediates
+
+
+def _logits_bytes(shape: Shape) -> float:
+  """The vocabulary loss's memory (module docstring)."""
+  m = shape.model
+  a = _BYTES[m.compute_dtype]
+  vocab = m.vocab_size / shape.activation_ways("vocab")
+  tokens = shape.tokens_per_device
+  chunk = shape.loss_chunk_positions
+  if not chunk:
+    return tokens * vocab * (4 + 4 + a)
+  chunk_tokens = shape.rows_per_device * chunk
+  matrix = m.vocab_size * m.d_model / shape.param_ways("vocab")
+  return chunk_tokens * vocab * (4 + 4 + a) + tokens * 4 + matrix * 4 + tokens * m.d_model * a
 
 
 def memory(shape: Shape) -> Memory:
@@ -121,8 +175,7 @@ def memory(shape: Shape) -> Memory:
   kept = m.n_layers * _per_token_layer_bytes(shape, m.remat)
   working = _per_token_layer_bytes(shape, "none") if m.remat != "none" else 0.0
   activations = tokens * (kept + working)
-  vocab = m.vocab_size / shape.activation_ways("vocab")
-  logits = tokens * vocab * (4 + 4 + a)
+  logits = _logits_bytes(shape)
   tensor = shape.param_ways("mlp")
   tables = 1 if m.tie_embeddings else 2
   weights_in_use = a * (3 * _layer_matmul_params(m) / tensor
@@ -136,21 +189,52 @@ def model_flops_per_step(shape: Shape) -> float:
   return shape.model.flops_per_token(shape.seq_len) * shape.global_batch_size * shape.seq_len
 
 
+def attention_flops_per_token(shape: Shape) -> float:
+  """Attention FLOPs (scores and values, all layers) one token costs as executed: forward,
+  backward and what remat recomputes. `xla` computes every (query, key) pair, masked or not:
+  2 matmuls forward, 4 backward. The kernels skip key blocks above the causal diagonal and
+  recompute the scores in their backward pass (5 matmuls); a policy that saves their output
+  (`minimal`, `save_attention`) never reruns their forward."""
+  m = shape.model
+  one_matmul = 2 * m.n_layers * m.n_heads * m.resolved_head_dim * shape.seq_len
+  if shape.attention == "xla":
+    rerun = {"none": 0, "minimal": 1, "save_attention": 1}.get(m.remat, 2)  # scores (and values)
+    return one_matmul * (2 + 4 + rerun)
+  block = attention_lib.splash_block(shape.seq_len, shape.seq_len) or attention_lib.BLOCK
+  blocks = max(1, -(-shape.seq_len // block))
+  visible = (blocks + 1) / (2 * blocks) if m.causal else 1.0  # block pairs computed
+  rerun = 0 if m.remat in ("none", "minimal", "save_attention") else 2
+  return one_matmul * (2 + 5 + rerun) * visible
+
+
+def kernel_attention_flops_per_device(shape: Shape) -> float:
+  """What the Pallas kernels (splash) execute per device: matmuls a traced program does not
+  show (they live inside the kernel), added to the traced count by `toolkit.pod.aot`."""
+  if shape.attention != "splash":
+    return 0.0
+  split = shape.activation_ways("batch") * shape.activation_ways("heads")
+  return attention_flops_per_token(shape) * shape.global_batch_size * shape.seq_len / split
+
+
 def executed_flops_per_device(shape: Shape) -> float:
-  """FLOPs one device executes: the formula plus what remat recomputes, divided over the
-  devices that split the work (batch axes x tensor); devices that only replicate work (an
+  """FLOPs one device executes: the weight matmuls (6 per parameter per token) plus what remat
+  recomputes of them, the attention as executed (`attention_flops_per_token`), divided over
+  the devices that split the work (batch axes x tensor); devices that only replicate work (an
   axis neither the batch nor the tensor rules use) do it again."""
   m = shape.model
-  hd = m.resolved_head_dim
-  per_token = m.flops_per_token(shape.seq_len)
-  attention_forward = 4 * m.n_layers * m.n_heads * hd * shape.seq_len
-  if m.remat == "full":
-    # Recomputed: every layer matmul but the MLP's down projection, whose output the backward
-    # pass does not need; and the attention scores and values.
-    per_token += (2 * m.n_layers * (_layer_matmul_params(m) - m.d_model * m.mlp_dim)
-                  + attention_forward)
-  elif m.remat == "save_dots":
-    per_token += attention_forward
+  d, hd = m.d_model, m.resolved_head_dim
+  output_projection = d * m.n_heads * hd
+  recomputed = {  # weight matmul parameters each policy runs again in the backward pass
+      # full: every layer matmul but the MLP's down projection, whose output the backward
+      # pass does not need.
+      "full": _layer_matmul_params(m) - d * m.mlp_dim,
+      "minimal": output_projection,
+      "save_attention": output_projection + 2 * d * m.mlp_dim,
+  }.get(m.remat, 0)
+  # The chunked vocabulary loss runs the output layer's three matmuls once, as the full-logits
+  # path does (toolkit.training.losses): nothing to add for it.
+  per_token = (m.flops_per_token(shape.seq_len) - 12 * m.n_layers * m.n_heads * hd * shape.seq_len
+               + 2 * m.n_layers * recomputed + attention_flops_per_token(shape))
   split = shape.activation_ways("batch") * shape.activation_ways("mlp")
   return per_token * shape.global_batch_size * shape.seq_len / split
 
@@ -193,7 +277,9 @@ def communication(shape: Shape) -> tuple[float, float]:
     ici, dcn_bytes = ici + i, dcn_bytes + d
   tensor = shape.activation_ways("mlp")
   if tensor > 1:
-    per_layer = {"full": 6, "save_dots": 4, "none": 4}[m.remat]
+    # Two all-reduces forward and two backward; recomputing the output projections (full,
+    # minimal, save_attention) repeats one or both forward ones.
+    per_layer = {"full": 6, "minimal": 5, "save_attention": 5}.get(m.remat, 4)
     volume = shape.tokens_per_device * m.d_model * a
     ici += per_layer * m.n_layers * micro * 2 * volume * (tensor - 1) / tensor
   return ici, dcn_bytes
@@ -220,4 +306,5 @@ def shape_for(spec, config, report, num_slices: int = 1) -> Shape:
   return Shape(model=spec.model, mesh_shape=dict(spec.mesh.shape), dcn_shape=dcn,
                rules=spec.rules, global_batch_size=config.data.global_batch_size,
                seq_len=config.data.seq_len, microbatches=config.train.microbatches,
-               param_bytes_per_device=report.per_device_bytes, param_count=param_count)
+               param_bytes_per_device=report.per_device_bytes, param_count=param_count,
+               platform=spec.mesh.devices.flat[0].platform)

@@ -6,7 +6,8 @@ reads; the rest records where the plan came from:
   {"meshkit_plan": 1,
    "overrides": {"mesh.ici": "data:1,fsdp:-1,tensor:2", "mesh.dcn": "",
                  "sharding.preset": "fsdp_tp", "model.remat": "save_dots",
-                 "train.microbatches": 1},
+                 "train.microbatches": 1, "model.attention": "auto",
+                 "model.loss_chunk": 2048},
    "target": "v5p-128", "slices": 1, "mesh_on_target": {"data": 1, "fsdp": 32, "tensor": 2},
    "compiled": {...}, "config_argument": "experiments/lm.py:size=7b"}
 
@@ -26,7 +27,8 @@ import ml_collections
 from toolkit.errors import ConfigError
 
 VERSION = 1
-FIELDS = ("mesh.ici", "mesh.dcn", "sharding.preset", "model.remat", "train.microbatches")
+FIELDS = ("mesh.ici", "mesh.dcn", "sharding.preset", "model.remat", "train.microbatches",
+          "model.attention", "model.loss_chunk")
 
 
 def load_plan(path: str) -> dict:

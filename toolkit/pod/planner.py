@@ -4,11 +4,15 @@ policy and micro-batch count to train a config with on a target, decided by comp
   1. enumerate: meshes data x fsdp x tensor over one slice's devices (across slices the DCN
      axis is data, or fsdp for presets that shard parameters) x presets dp, fsdp, tp, fsdp_tp
      (each on the meshes where all its axes do work: dp on data only, fsdp without tensor, ...)
-     x remat none, save_dots, full x micro-batch counts (1 to 64, those that divide the batch);
+     x remat none, save_dots, minimal, save_attention, full x micro-batch counts (1 to 64,
+     those that divide the batch) x attention auto, xla x vocabulary loss chunked (the
+     config's model.loss_chunk) or not (0);
   2. lint each (the config's own validation and the sharding rules, plus activation
      dimensions vs their mesh axes) and estimate it (`toolkit.pod.estimate`); prune those whose
-     analytic memory exceeds the chip's HBM, and per mesh/preset/remat keep the fewest
-     micro-batches that fit by the estimate and the next count (in case the estimate is low);
+     analytic memory exceeds the chip's HBM; among layouts that differ only in attention and
+     loss chunking, prune those another beats on both estimated step time and memory; and per
+     mesh/preset/remat/attention/chunking keep the fewest micro-batches that fit by the
+     estimate and the next count (in case the estimate is low);
   3. compile the survivors, most promising (analytic step time) first, in worker processes
      (as many as CPU cores and free memory allow; one means sequential) until the budget ends;
   4. rank those that fit by estimated step time: compute (the traced step's matmul FLOPs,
@@ -37,8 +41,9 @@ from toolkit.errors import ConfigError
 from toolkit.pod.target import Target
 
 PRESETS = ("dp", "fsdp", "tp", "fsdp_tp")
-REMATS = ("none", "save_dots", "full")
+REMATS = ("none", "save_dots", "minimal", "save_attention", "full")
 MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
+ATTENTIONS = ("auto", "xla")
 TIE = 0.01  # step times within 1 % of the fastest are ties: the least memory wins
 # Compiled memory came out 0.6x to 1.2x the analytic estimate (see the closing note of the
 # planner's issue); candidates estimated above this fraction of HBM are compiled last.
@@ -65,7 +70,8 @@ class Candidate:
     mesh = "x".join(f"{k}{v}" for k, v in self.mesh.items() if v > 1) or "1"
     dcn = f" dcn {o['mesh.dcn']}" if o.get("mesh.dcn") else ""
     return (f"{o['sharding.preset']:<7} {mesh}{dcn} remat={o['model.remat']} "
-            f"micro={o['train.microbatches']}{' (given)' if self.given else ''}")
+            f"micro={o['train.microbatches']} attention={o['model.attention']} "
+            f"chunk={o['model.loss_chunk']}{' (given)' if self.given else ''}")
 
 
 @dataclasses.dataclass
@@ -102,8 +108,14 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_candidates(config: ml_collections.ConfigDict, target: Target,
                          presets: Sequence[str] = PRESETS, remats: Sequence[str] = REMATS,
-                         microbatches: Sequence[int] = MICROBATCHES) -> list[Candidate]:
-  """Every mesh x preset x remat x micro-batch count worth trying on `target`."""
+                         microbatches: Sequence[int] = MICROBATCHES,
+                         attentions: Sequence[str] = ATTENTIONS,
+                         loss_chunks: Sequence[int] | None = None) -> list[Candidate]:
+  """Every mesh x preset x remat x micro-batch count x attention x loss chunking worth trying
+  on `target`; loss_chunks None means the config's own model.loss_chunk and 0 (off)."""
+  if loss_chunks is None:
+    loss_chunks = tuple(dict.fromkeys((config.model.loss_chunk, 0)))
+  variants = [(a, c) for a in dict.fromkeys(attentions) for c in dict.fromkeys(loss_chunks)]
   per_slice = len(target.devices) // target.slices
   meshes = []
   for tensor in _divisors(per_slice):
@@ -124,12 +136,15 @@ def enumerate_candidates(config: ml_collections.ConfigDict, target: Target,
         for micro in microbatches:
           if batch % micro:
             continue
-          overrides = {"mesh.ici": ",".join(f"{k}:{v}" for k, v in mesh.items()),
-                       "mesh.dcn": f"{dcn_axis}:{target.slices}" if dcn_axis else "",
-                       "sharding.preset": preset, "model.remat": remat,
-                       "train.microbatches": micro}
-          full_mesh = {k: v * (target.slices if k == dcn_axis else 1) for k, v in mesh.items()}
-          found.append(Candidate(overrides=overrides, mesh=full_mesh))
+          for attention, loss_chunk in variants:
+            overrides = {"mesh.ici": ",".join(f"{k}:{v}" for k, v in mesh.items()),
+                         "mesh.dcn": f"{dcn_axis}:{target.slices}" if dcn_axis else "",
+                         "sharding.preset": preset, "model.remat": remat,
+                         "train.microbatches": micro, "model.attention": attention,
+                         "model.loss_chunk": loss_chunk}
+            full_mesh = {k: v * (target.slices if k == dcn_axis else 1)
+                         for k, v in mesh.items()}
+            found.append(Candidate(overrides=overrides, mesh=full_mesh))
   return found
 
 
@@ -182,6 +197,7 @@ def prepare(config: ml_collections.ConfigDict, candidates: list[Candidate],
       c.status = "pruned"
       c.reason = (f"analytic estimate {c.analytic_bytes / 2**30:.1f} GiB > "
                   f"{hbm / 2**30:g} GiB HBM")
+  _prune_dominated(candidates)
   # Per mesh/preset/remat: the fewest micro-batches that fit by the estimate, and the next.
   groups: dict[tuple, list[Candidate]] = {}
   for c in candidates:
@@ -194,6 +210,30 @@ def prepare(config: ml_collections.ConfigDict, candidates: list[Candidate],
       c.status = "pruned"
       c.reason = (f"{members[0].overrides['train.microbatches']} micro-batch(es) fit by the "
                   f"estimate; more only add communication")
+
+
+_VARIANT_FIELDS = ("model.attention", "model.loss_chunk")
+
+
+def _prune_dominated(candidates: list[Candidate]) -> None:
+  """Among pending candidates that differ only in attention and loss chunking, prunes each
+  one another beats by the estimate: no slower and less memory, or faster and no more."""
+  groups: dict[tuple, list[Candidate]] = {}
+  for c in candidates:
+    if c.status == "pending":
+      key = tuple((k, v) for k, v in c.overrides.items() if k not in _VARIANT_FIELDS)
+      groups.setdefault(key, []).append(c)
+  for members in groups.values():
+    for c in members:
+      better = next((o for o in members if o is not c and o.analytic_step_s <= c.analytic_step_s
+                     and o.analytic_bytes <= c.analytic_bytes
+                     and (o.analytic_step_s, o.analytic_bytes)
+                     < (c.analytic_step_s, c.analytic_bytes)), None)
+      if better is not None and not c.given:
+        c.status = "pruned"
+        c.reason = (f"attention={better.overrides['model.attention']} chunk="
+                    f"{better.overrides['model.loss_chunk']} is no slower and needs less memory "
+                    f"by the estimate")
 
 
 def _worker(tasks, results, target_name: str, slices: int, cpu_devices: int) -> None:
@@ -305,13 +345,15 @@ def compile_candidates(config: ml_collections.ConfigDict, candidates: list[Candi
 
 def search(config: ml_collections.ConfigDict, target: Target, *, budget_s: float = 600.0,
            workers: int = 0, presets: Sequence[str] = PRESETS, remats: Sequence[str] = REMATS,
-           microbatches: Sequence[int] = MICROBATCHES,
+           microbatches: Sequence[int] = MICROBATCHES, attentions: Sequence[str] = ATTENTIONS,
+           loss_chunks: Sequence[int] | None = None,
            log: Callable[[str], None] = lambda _: None) -> Outcome:
   """Enumerates, prunes, compiles and ranks; see the module docstring."""
   start = time.monotonic()
   original = config
   config, _ = aot.scale_config(config, target)
-  candidates = enumerate_candidates(config, target, presets, remats, microbatches)
+  candidates = enumerate_candidates(config, target, presets, remats, microbatches, attentions,
+                                    loss_chunks)
   _mark_given(config, candidates, target)
   prepare(config, candidates, target)
   counts = {s: sum(c.status == s for c in candidates) for s in ("pending", "lint", "pruned")}
@@ -325,7 +367,8 @@ def search(config: ml_collections.ConfigDict, target: Target, *, budget_s: float
 
 def _mark_given(config: ml_collections.ConfigDict, candidates: list[Candidate],
                 target: Target) -> None:
-  """Marks the candidate with the config's own mesh, preset, remat and micro-batches."""
+  """Marks the candidate with the config's own mesh, preset, remat, micro-batches, attention
+  and loss chunking."""
   try:
     mesh = dict(config_lib.resolve(config, list(target.devices)).mesh.shape)
   except (ConfigError, sharding.ShardingError, ValueError):
@@ -335,8 +378,10 @@ def _mark_given(config: ml_collections.ConfigDict, candidates: list[Candidate],
     c.given = (all(mesh.get(k, 1) == v for k, v in c.mesh.items())
                and math.prod(c.mesh.values()) == math.prod(mesh.values())
                and o["mesh.dcn"] == (config.mesh.dcn or "")
-               and (o["sharding.preset"], o["model.remat"], o["train.microbatches"])
-               == (config.sharding.preset, config.model.remat, config.train.microbatches))
+               and (o["sharding.preset"], o["model.remat"], o["train.microbatches"],
+                    o["model.attention"], o["model.loss_chunk"])
+               == (config.sharding.preset, config.model.remat, config.train.microbatches,
+                   config.model.attention, config.model.loss_chunk))
 
 
 def _time(seconds: float) -> str:

@@ -67,6 +67,7 @@ def _run_lines(r: Report) -> list[str]:
       f"{run['n_layers']} layers, vocab {run['vocab_size']}; {run['param_dtype']} parameters, "
       f"{run['compute_dtype']} compute, remat {run['remat']}"
       f"{', scanned layers' if run['scan_layers'] else ''}",
+      f"step       attention {_attention(run)}; vocabulary loss {_loss(run)}",
       f"run        mesh {mesh} (ici {run['mesh_ici']!r}"
       f"{', dcn ' + repr(run['mesh_dcn']) if run['mesh_dcn'] else ''}), rules {run['preset']}, "
       f"batch {run['global_batch_size']} x {run['seq_len']} tokens in "
@@ -79,6 +80,19 @@ def _run_lines(r: Report) -> list[str]:
   lines += [f"note       {n}" for n in r.notes]
   lines.append(f"compile    {r.compile_seconds:.1f} s")
   return lines
+
+
+def _attention(run: dict) -> str:
+  chosen = run["attention"]
+  return chosen if run["attention_setting"] == chosen else f"{chosen} (model.attention=auto)"
+
+
+def _loss(run: dict) -> str:
+  z = f", z-loss {run['z_loss']:g}" if run["z_loss"] else ""
+  if not run["loss_chunk_positions"]:
+    return "over full logits (model.loss_chunk=0)" + z
+  return (f"in chunks of {run['loss_chunk_positions']} positions per row (model.loss_chunk="
+          f"{run['loss_chunk']} tokens per device)" + z)
 
 
 def _memory_lines(r: Report) -> list[str]:
@@ -126,8 +140,10 @@ def _flops_lines(r: Report) -> list[str]:
   if "xla_per_device" in f:
     lines.append(f"  XLA cost analysis        {f['xla_per_device']:.3e}  (loop bodies at most "
                  f"once: not used)")
+  kernel = (f", splash kernels {f['kernel_attention_per_device']:.3e} by formula"
+            if f.get("kernel_attention_per_device") else "")
   lines.append(f"  traced step (matmuls)    {f['traced_per_device']:.3e}  (loops counted, remat "
-               f"recompute included)")
+               f"recompute included{kernel})")
   lines.append(f"  analytic, with remat     {f['analytic_executed_per_device']:.3e}")
   lines.append(f"  model formula            {f['model_formula_per_device']:.3e}  "
                f"({f['model_formula_per_step']:.3e} per step / {r.target['devices']} devices)")
