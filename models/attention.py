@@ -15,8 +15,8 @@ j <= i (queries and keys both counted from position 0). The output has q's dtype
              batch and head axes the activation rules split (off a TPU it runs in Pallas
              interpret mode: correct and slow, for tests); lengths must be multiples of 128
   cudnn      `jax.nn.dot_product_attention(implementation="cudnn")` on NVIDIA GPUs
-  auto       `resolve`: splash on TPU, cudnn on GPU within its limits, else xla up to
-             BLOCKWISE_FROM tokens and blockwise from there
+  auto       `resolve`: splash on TPU from SPLASH_FROM keys, cudnn on GPU within its limits,
+             else xla below BLOCKWISE_FROM keys and blockwise from there
 
 To add one (ring attention over a sequence axis, say): write `fn(q, k, v, causal) -> out` with
 the contract above, register it in IMPLEMENTATIONS, and give `resolve` a case if `auto` should
@@ -40,6 +40,10 @@ CONTEXT = "context"
 # Measured on CPU (bench in docs/training.md): below this many keys the XLA implementation's
 # fused scores win; from it the blockwise loop is as fast and its memory stays linear.
 BLOCKWISE_FROM = 1024
+# Compiled for v5p-8 (the CPU LM, head_dim 32, remat none, per device): splash 219 MiB vs xla
+# 201 MiB at 256 tokens, 423 vs 516 MiB at 512. The kernel's residuals are laid out heads-major
+# with head_dim padded to 128 lanes, which costs more than short sequences' scores.
+SPLASH_FROM = 512
 BLOCK = 512                 # blockwise: queries and keys per block (smaller for short inputs)
 SPLASH_BLOCKS = (512, 256, 128)  # splash block sizes tried, largest first (128-lane tiles)
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf in the softmax
@@ -272,13 +276,13 @@ CHOICES = ("auto",) + tuple(IMPLEMENTATIONS)
 
 def resolve(implementation: str, q_shape, kv_shape, dtype, on: str | None = None) -> str:
   """The implementation `implementation` stands for on platform `on` (default `platform()`):
-  itself, or for "auto" splash on TPU (lengths multiples of 128), cudnn on GPU within its
-  limits, else xla below BLOCKWISE_FROM keys and blockwise from there."""
+  itself, or for "auto" splash on TPU from SPLASH_FROM keys (lengths multiples of 128), cudnn
+  on GPU within its limits, else xla below BLOCKWISE_FROM keys and blockwise from there."""
   if implementation != "auto":
     return implementation
   on = on or platform()
   q_length, kv_length, head_dim = q_shape[1], kv_shape[1], q_shape[-1]
-  if on == "tpu" and splash_block(q_length, kv_length) is not None:
+  if on == "tpu" and kv_length >= SPLASH_FROM and splash_block(q_length, kv_length):
     return "splash"
   if on == "gpu" and cudnn_supports(q_shape, kv_shape, head_dim, dtype):
     return "cudnn"

@@ -115,8 +115,9 @@ def test_blockwise_training_equals_xla_over_10_steps(monkeypatch):
 
 @pytest.mark.parametrize("platform,dtype,head_dim,length,expected", [
     ("tpu", jnp.bfloat16, 128, 4096, "splash"),
-    ("tpu", jnp.float32, 64, 256, "splash"),
-    ("tpu", jnp.bfloat16, 128, 100, "xla"),          # not a multiple of 128: no splash
+    ("tpu", jnp.float32, 64, attention.SPLASH_FROM, "splash"),
+    ("tpu", jnp.float32, 64, attention.SPLASH_FROM - 128, "xla"),  # short: the scores are cheaper
+    ("tpu", jnp.bfloat16, 128, 1000, "xla"),         # not a multiple of 128: no splash
     ("tpu", jnp.bfloat16, 128, 2000, "blockwise"),
     ("gpu", jnp.bfloat16, 128, 4096, "cudnn"),
     ("gpu", jnp.float16, 64, 100, "cudnn"),

@@ -107,6 +107,25 @@ def test_cpu_lm_compiles_and_fits_on_small_slices(topology):
   assert "FITS" in text and "generated code" in text and "total = arguments" in text
 
 
+
+@pytest.mark.tpu_aot
+def test_splash_step_compiles_with_the_kernel_and_no_score_tensor(tmp_path):
+  """model.attention=auto on a TPU at 512 tokens is the Pallas splash kernel: the compiled
+  step calls it (a Mosaic custom call) and holds no (q, k) score tensor; the report says so."""
+  needs_libtpu()
+  config = lm.get_config("cpu")
+  config.data.seq_len = 512
+  hlo = tmp_path / "step.hlo"
+  report = compile_lib.compile_report(config, target_lib.target_for("v5p-8"),
+                                      hlo_path=str(hlo))
+  assert report.verdict == "fits" and report.run["attention"] == "splash"
+  assert "attention splash (model.attention=auto)" in report.format()
+  text = hlo.read_text()
+  assert "tpu_custom_call" in text
+  # Scores would end in (..., 512 queries, 512 keys); the weights never have two 512 dims.
+  assert not re.search(r"\[(\d+,)+512,512\]", text)
+  assert report.flops["kernel_attention_per_device"] > 0
+
 @pytest.mark.tpu_aot
 def test_two_slices_flag_dcn_collectives():
   needs_libtpu()
@@ -162,7 +181,8 @@ def test_planner_picks_a_plan_that_trains_on_8_simulated_devices(tmp_path):
   config = lm.get_config("cpu")
   tpu = target_lib.target_for("v5e-16")
   outcome = planner.search(config, tpu, budget_s=240, workers=2, presets=("fsdp",),
-                           remats=("none",), microbatches=(1,))
+                           remats=("none",), microbatches=(1,), attentions=("auto",),
+                           loss_chunks=(config.model.loss_chunk,))
   statuses = {c.label: c.status for c in outcome.candidates}
   assert len(statuses) == 4 and set(statuses.values()) == {"fits"}, statuses  # fsdp 2..16
   best = outcome.best
