@@ -43,6 +43,17 @@ def _next_power_of_two(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
+def decode_step(graphdef: nnx.GraphDef, rules: sharding.Rules, mesh: Mesh, params, cache,
+                tokens, positions, rows, token_index):
+  """One token for every cache slot: the model's decode and the sampler, under the rules.
+  Returns (cache, next tokens (batch,), logits (batch, vocab)). The engine jits it with the
+  cache donated; scripts/decode_cost.py compiles it ahead of time for a TPU topology."""
+  with sharding.activation_rules(rules, mesh):
+    logits, cache = nnx.merge(graphdef, params).decode(tokens, positions, cache)
+    next_tokens = sampling.sample(logits, rows, token_index)
+  return cache, next_tokens, logits
+
+
 class Engine:
   """One model's parameters on a mesh with its compiled prefill and decode steps."""
 
@@ -73,10 +84,8 @@ class Engine:
   # --- the compiled steps --------------------------------------------------------------------
   def _decode_fn(self, params, cache, tokens, positions, rows, token_index):
     self.traces["decode", tokens.shape[0], cache["k"].shape[2]] += 1
-    with sharding.activation_rules(self.rules, self.mesh):
-      logits, cache = nnx.merge(self.graphdef, params).decode(tokens, positions, cache)
-      next_tokens = sampling.sample(logits, rows, token_index)
-    return cache, next_tokens, logits
+    return decode_step(self.graphdef, self.rules, self.mesh, params, cache, tokens, positions,
+                       rows, token_index)
 
   def _prefill_fn(self, params, cache, tokens, lengths, slots, rows):
     self.traces["prefill", tokens.shape[0], tokens.shape[1], cache["k"].shape[1]] += 1

@@ -16,6 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_STOP_TOKENS = 8  # stop tokens per request; checked on the host, so only a sanity bound
+# Top-k and top-p choose among the CANDIDATES most likely tokens of a row (`lax.top_k`: a
+# partial selection, not a sort of the vocabulary): top_k may not exceed it, and top-p keeps at
+# most that many tokens, which is exact unless those hold less than top_p of the mass (a very
+# flat distribution over a large vocabulary).
+CANDIDATES = 256
 
 
 class RequestError(ValueError):
@@ -50,8 +55,9 @@ class SamplingParams:
       raise RequestError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
     if not 0 < self.top_p <= 1:
       raise RequestError(f"top_p={self.top_p} must be in (0, 1] (1 turns it off)")
-    if not _is_int(self.top_k) or self.top_k < 0:
-      raise RequestError(f"top_k={self.top_k!r} must be an integer >= 0 (0 turns it off)")
+    if not _is_int(self.top_k) or not 0 <= self.top_k <= CANDIDATES:
+      raise RequestError(f"top_k={self.top_k!r} must be an integer in [0, {CANDIDATES}] (0 "
+                         f"turns it off)")
     if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
       raise RequestError(f"seed={self.seed!r} must be an integer in [0, 2**32)")
     if len(self.stop_tokens) > MAX_STOP_TOKENS:
@@ -95,24 +101,27 @@ def sample(logits: jax.Array, rows: dict[str, jax.Array], token_index: jax.Array
   token_index (batch,) the index of the token being drawn within its request.
 
   Temperature first, then top-k, then top-p over what top-k kept (the smallest set of the most
-  likely tokens holding at least top_p of the mass). Tokens tied with the last one kept are
-  kept too. Rows with temperature 0 take the argmax."""
+  likely tokens holding at least top_p of the mass, the mass renormalized over the top k when
+  top-k is on). Rows with neither draw from the whole vocabulary; rows with temperature 0
+  take the argmax."""
   vocab = logits.shape[-1]
+  count = min(CANDIDATES, vocab)
   temperature = rows["temperature"]
   scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-  # A full sort per row: fine for byte-level and 32k vocabularies; a very large vocabulary
-  # would want jax.lax.approx_max_k here.
-  descending = -jnp.sort(-scaled, axis=-1)
-  rank = jnp.arange(vocab)[None, :]
-  top_k = jnp.where(rows["top_k"] > 0, jnp.minimum(rows["top_k"], vocab), vocab)[:, None]
-  in_top_k = rank < top_k
-  probs = jax.nn.softmax(jnp.where(in_top_k, descending, -jnp.inf), axis=-1)
+  top_values, top_ids = jax.lax.top_k(scaled, count)             # descending, (batch, count)
+  top_k = jnp.where(rows["top_k"] > 0, jnp.minimum(rows["top_k"], count), count)[:, None]
+  in_top_k = jnp.arange(count)[None, :] < top_k
+  kept_values = jnp.where(in_top_k, top_values, -jnp.inf)
+  # Probabilities over the top k when top-k is on, else over the whole vocabulary.
+  norm = jnp.where(rows["top_k"] > 0, jax.nn.logsumexp(kept_values, axis=-1),
+                   jax.nn.logsumexp(scaled, axis=-1))[:, None]
+  probs = jnp.exp(kept_values - norm)
   mass_before = jnp.cumsum(probs, axis=-1) - probs
   keep = in_top_k & (mass_before < rows["top_p"][:, None])  # rank 0 is always kept
-  kept = jnp.sum(keep, axis=-1, keepdims=True)
-  cutoff = jnp.take_along_axis(descending, kept - 1, axis=-1)
-  masked = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
   keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
       rows["seed"], token_index)
-  drawn = jax.vmap(jax.random.categorical)(keys, masked)
+  choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, top_values, -jnp.inf))
+  restricted = jnp.take_along_axis(top_ids, choice[:, None], axis=-1)[:, 0]
+  free = jax.vmap(jax.random.categorical)(keys, scaled)
+  drawn = jnp.where((rows["top_k"] > 0) | (rows["top_p"] < 1), restricted, free)
   return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)

@@ -62,6 +62,27 @@ def test_greedy_sharded_equals_unsharded_and_alone_equals_batched(params, engine
   assert {k for k in sharded.traces if k[0] == "decode"} == {("decode", 8, 64)}
 
 
+def test_greedy_tokens_equal_recomputing_the_full_forward_pass(params, engine):
+  """The cache (written row by row in place) against no cache at all: each new token the
+  argmax of the full forward pass over prompt + tokens so far, sharded and not."""
+  prompts, _ = prompts_and_params(3, seed=4, max_length=12)
+  settings = [SamplingParams(max_tokens=6)] * 3
+  model = Llama(CFG, rngs=nnx.Rngs(params=0))  # the `params` fixture's model
+  # Right-padded to one length (causal: padding after a position never changes it).
+  forward = jax.jit(lambda tokens, last: model(tokens)[0, last])
+  expected = []
+  for prompt in prompts:
+    tokens = list(prompt)
+    for _ in range(6):
+      padded = np.zeros((1, 32), np.int32)
+      padded[0, :len(tokens)] = tokens
+      tokens.append(int(np.argmax(forward(padded, len(tokens) - 1))))
+    expected.append(tokens[len(prompt):])
+  sharded = make_engine(params, "fsdp:4,tensor:2", "fsdp_tp", devices=8)
+  assert tokens_of(engine_lib.generate(engine, prompts, settings, batch_size=4)) == expected
+  assert tokens_of(engine_lib.generate(sharded, prompts, settings, batch_size=8)) == expected
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
   prompts, settings = prompts_and_params(6, seed=1, temperature=1.0)
   batched = tokens_of(engine_lib.generate(engine, prompts, settings, batch_size=4))
@@ -154,9 +175,10 @@ def _reference_support(logits, temperature, top_k, top_p):
   return set(order[keep].tolist())
 
 
+@pytest.mark.parametrize("vocab", [40, 3000])  # 3000: more tokens than sampling.CANDIDATES
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.5), (8, 0.7), (1, 1.0)])
-def test_sampler_draws_only_from_the_top_k_top_p_set(top_k, top_p):
-  logits = jax.random.normal(jax.random.key(0), (40,)) * 3
+def test_sampler_draws_only_from_the_top_k_top_p_set(top_k, top_p, vocab):
+  logits = jax.random.normal(jax.random.key(0), (vocab,)) * 3
   draws = 400
   rows = sampling.row_arrays([SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p,
                                              seed=7)] * draws)
@@ -170,3 +192,13 @@ def test_sampler_draws_only_from_the_top_k_top_p_set(top_k, top_p):
   greedy = sampling.sample(logits[None], sampling.row_arrays([SamplingParams()]),
                            np.zeros(1, np.int32))
   assert int(greedy[0]) == int(np.argmax(logits))
+
+
+def test_sampler_selects_without_sorting_the_vocabulary():
+  rows = sampling.row_arrays([SamplingParams(temperature=1.0, top_k=5, top_p=0.9)] * 2)
+  jaxpr = str(jax.make_jaxpr(sampling.sample)(np.zeros((2, 32_000), np.float32), rows,
+                                              np.zeros(2, np.int32)))
+  assert "top_k" in jaxpr and " sort" not in jaxpr and "sort[" not in jaxpr
+  with pytest.raises(RequestError, match=f"top_k=300 must be an integer in \\[0, "
+                     f"{sampling.CANDIDATES}\\]"):
+    SamplingParams(top_k=300).validate(32_000)

@@ -1,0 +1,104 @@
+"""The generation engine's decode step compiled ahead of time for a TPU topology, from a CPU:
+XLA's cost analysis (bytes accessed, FLOPs) and memory per device.
+
+  python scripts/decode_cost.py --model=7b --topology=v5e-8 --batch=16 --cache_length=4096
+  python scripts/decode_cost.py --model=tiny --topology=cpu:8 --batch=8 --cache_length=64
+
+The step is `toolkit.inference.engine.decode_step` (the model's one-token decode against the
+KV cache, then the sampler), jitted with the engine's shardings and the cache donated, on
+abstract parameters and cache: nothing is allocated. Layers are unrolled by default
+(--nounroll keeps the scan): XLA's cost analysis counts a loop body once, so only the
+unrolled program's bytes cover every layer. TPU topologies need libtpu (the test extra).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from absl import app, flags
+
+_MODEL = flags.DEFINE_string("model", "7b", "Model preset (models.llama.PRESETS).")
+_TOPOLOGY = flags.DEFINE_string("topology", "v5e-8", "TPU type (v5e-8, v5p-8, ...) or cpu:N.")
+_MESH = flags.DEFINE_string("mesh", "data:1,fsdp:-1,tensor:2", "Mesh axes (-1 fills).")
+_RULES = flags.DEFINE_string("rules", "fsdp_tp", "Sharding preset.")
+_BATCH = flags.DEFINE_integer("batch", 16, "Cache slots decoded per step.")
+_CACHE_LENGTH = flags.DEFINE_integer("cache_length", 4096, "KV cache positions per slot.")
+_UNROLL = flags.DEFINE_bool("unroll", True, "Unroll the layers (see the docstring).")
+_JSON = flags.DEFINE_string("json", "", "Write the numbers as JSON here.")
+
+
+def decode_cost(model_name: str, topology: str, mesh_text: str, preset: str, batch: int,
+                cache_length: int, unroll: bool) -> dict:
+  """Compiles the decode step for `topology` on abstract inputs; returns its costs."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+
+  import sharding  # pylint: disable=g-import-not-at-top
+  from models import LlamaConfig  # pylint: disable=g-import-not-at-top
+  from models.llama import CACHE_AXES  # pylint: disable=g-import-not-at-top
+  from toolkit.inference import engine, sampling  # pylint: disable=g-import-not-at-top
+  from toolkit.pod.target import target_for  # pylint: disable=g-import-not-at-top
+  from toolkit.training import state as state_lib  # pylint: disable=g-import-not-at-top
+
+  model_cfg = LlamaConfig.preset(model_name, scan_layers=not unroll)
+  target = target_for(topology)
+  mesh = sharding.make_mesh(sharding.parse_axis_sizes(mesh_text, "--mesh"), [],
+                            list(target.devices))
+  rules = sharding.Rules.preset(preset)
+  layout = state_lib.layout(model_cfg, optax.identity(), rules, mesh)
+  spec = lambda axes: NamedSharding(mesh, rules.activation_spec(axes, mesh))
+  cache_shape = (model_cfg.n_layers, batch, cache_length, model_cfg.n_kv_heads,
+                 model_cfg.resolved_head_dim)
+  cache_sharding = spec(("layers",) + CACHE_AXES)
+  one_cache = jax.ShapeDtypeStruct(cache_shape, model_cfg.compute_dtype, sharding=cache_sharding)
+  rows = spec(("batch",))
+  row_arrays = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
+                for k, v in sampling.row_arrays([sampling.SamplingParams()] * batch).items()}
+  token_rows = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
+  step = jax.jit(lambda *args: engine.decode_step(layout.graphdef, rules, mesh, *args),
+                 donate_argnums=1,
+                 out_shardings=(cache_sharding, rows, spec(("batch", "vocab"))))
+  compiled = step.lower(layout.abstract["params"], {"k": one_cache, "v": one_cache},
+                        token_rows, token_rows, row_arrays, token_rows).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  memory = compiled.memory_analysis()
+  cache_bytes = 2 * np.prod(cache_shape) * jnp.dtype(model_cfg.compute_dtype).itemsize
+  return {"model": model_name, "topology": topology, "mesh": dict(mesh.shape), "rules": preset,
+          "batch": batch, "cache_length": cache_length, "unrolled": unroll,
+          "bytes_accessed_per_device": float(cost.get("bytes accessed", 0.0)),
+          "flops_per_device": float(cost.get("flops", 0.0)),
+          "cache_bytes_per_device": float(cache_bytes) / mesh.size,
+          "temp_bytes_per_device": float(getattr(memory, "temp_size_in_bytes", 0)),
+          "model_config": dataclasses.asdict(model_cfg)}
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_platforms", "cpu")
+  if _TOPOLOGY.value.startswith("cpu:"):
+    jax.config.update("jax_num_cpu_devices", int(_TOPOLOGY.value.split(":")[1]))
+  r = decode_cost(_MODEL.value, _TOPOLOGY.value, _MESH.value, _RULES.value, _BATCH.value,
+                  _CACHE_LENGTH.value, _UNROLL.value)
+  from toolkit.pod.report import human_bytes  # pylint: disable=g-import-not-at-top
+  print(f"decode step, {r['model']} on {r['topology']} (mesh {r['mesh']}, rules {r['rules']}), "
+        f"batch {r['batch']}, cache {r['cache_length']}, layers "
+        f"{'unrolled' if r['unrolled'] else 'scanned (cost counts one layer)'}:\n"
+        f"  bytes accessed per device  {human_bytes(r['bytes_accessed_per_device'])} "
+        f"(the KV cache: {human_bytes(r['cache_bytes_per_device'])} per device)\n"
+        f"  FLOPs per device           {r['flops_per_device']:.4g}\n"
+        f"  temporaries per device     {human_bytes(r['temp_bytes_per_device'])}")
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(r, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+  app.run(main)
