@@ -45,9 +45,6 @@ def get_config(arg: str | None = None):
   config = defaults()
   config.mesh.ici = "data:1,fsdp:-1,tensor:2"
   config.sharding.preset = "fsdp_tp"
-  # 2 cores shared by 8 simulated devices: ~270 GFLOP/s f32 matmul peak measured / 8. The real
-  # sizes below set 0 instead: the peak then comes from the accelerator table.
-  config.train.peak_flops_per_device = 34e9
   config.train.eval_every = 50
   for item in filter(None, (arg or "cpu").split(",")):
     key, sep, value = item.partition("=")
@@ -88,7 +85,6 @@ def _set_model(config, preset: str) -> None:
   if preset in _POD_DATA:
     seq_len, batch, microbatches = _POD_DATA[preset]
     config.data.update(seq_len=seq_len, global_batch_size=batch)
-    config.train.peak_flops_per_device = 0.0
     config.train.microbatches = microbatches
     # ZeRO-3 over every chip: at these sizes the parameters fit any slice split that way,
     # and the batch splits as many ways as there are chips.

@@ -54,8 +54,6 @@ def get_config(arg: str | None = None):
   config.optimizer.update(learning_rate=2e-3, warmup_steps=60, weight_decay=0.05)
   config.train.update(steps=1200, log_every=100, eval_every=200, checkpoint_every=600,
                       sample_tokens=0)
-  # 2 cores shared by 8 simulated devices: ~270 GFLOP/s f32 matmul peak measured / 8.
-  config.train.peak_flops_per_device = 34e9
   for item in filter(None, (arg or "cpu").split(",")):
     key, sep, value = item.partition("=")
     if not sep:
@@ -75,7 +73,7 @@ def get_config(arg: str | None = None):
                            flip=True, worker_count=16)
         config.optimizer.update(learning_rate=1e-3, warmup_steps=10_000, weight_decay=0.1)
         config.train.update(steps=300_000, log_every=100, eval_every=5000,
-                            checkpoint_every=5000, peak_flops_per_device=0.0)
+                            checkpoint_every=5000)
     elif key == "rules":
       config.sharding.preset = value
     elif key == "data":

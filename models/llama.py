@@ -193,6 +193,17 @@ class RMSNorm(nnx.Module):
     return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+  """x (batch, length, *in) times w (*in, *out) over the `contract` trailing dims of x, as one
+  (tokens, in) @ (in, out) matmul: XLA's CPU backend ran the MLP's forward and backward 1.8x
+  faster so than with batch and length kept as separate dimensions (the weight gradient
+  contracts both); on TPU the compiler canonicalizes to the same matmul either way."""
+  lead, inner = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:]
+  out = w.shape[contract:]
+  flat = x.reshape(math.prod(lead), math.prod(inner)) @ w.reshape(math.prod(inner), -1)
+  return flat.reshape(*lead, *out)
+
+
 def rope_frequencies(cfg: LlamaConfig) -> jax.Array:
   """The rotary inverse frequencies (head_dim // 2,) float32: theta^(-2i / head_dim), with
   Llama 3's scaling applied when cfg.rope_type == "llama3"."""
@@ -238,9 +249,9 @@ class Attention(nnx.Module):
   def _project(self, x: jax.Array, positions: jax.Array):
     """Queries, keys and values with rotary positions applied: (batch, length, heads, head_dim)."""
     dtype = x.dtype
-    q = jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(dtype))
-    k = jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(dtype))
-    v = jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(dtype))
+    q = dense(x, self.wq[...].astype(dtype))
+    k = dense(x, self.wk[...].astype(dtype))
+    v = dense(x, self.wv[...].astype(dtype))
     inv_freq = rope_frequencies(self.cfg)
     q = constrain(rotary(q, positions, inv_freq), ("batch", "length", "heads", None))
     k = constrain(rotary(k, positions, inv_freq), ("batch", "length", "kv_heads", None))
@@ -248,7 +259,7 @@ class Attention(nnx.Module):
     return checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
 
   def _output(self, out: jax.Array) -> jax.Array:
-    return jnp.einsum("bthd,hde->bte", out, self.wo[...].astype(out.dtype))
+    return dense(out, self.wo[...].astype(out.dtype), contract=2)
 
   def _attend(self, q, k, v, causal: bool):
     return attention_lib.attend(q, k, v, causal=causal, implementation=self.cfg.attention)
@@ -287,10 +298,10 @@ class MLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     dtype = x.dtype
-    gate = checkpoint_name(x @ self.w_gate[...].astype(dtype), "mlp_gate")
-    up = checkpoint_name(x @ self.w_up[...].astype(dtype), "mlp_up")
+    gate = checkpoint_name(dense(x, self.w_gate[...].astype(dtype)), "mlp_gate")
+    up = checkpoint_name(dense(x, self.w_up[...].astype(dtype)), "mlp_up")
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-    return hidden @ self.w_down[...].astype(dtype)
+    return dense(hidden, self.w_down[...].astype(dtype))
 
 
 class Block(nnx.Module):

@@ -40,7 +40,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import LlamaConfig
-from toolkit.training import config as config_lib, state as state_lib, step as step_lib
+from toolkit.training import config as config_lib, setup as setup_lib, state as state_lib
+from toolkit.training import step as step_lib
 from toolkit import training as train
 
 TARGET_RATIO = 1.03          # toolkit step time / bare step time, at most
@@ -144,21 +145,6 @@ def make_bare_step(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
 
 # --- measurements ------------------------------------------------------------------------------
 
-def matmul_flops_per_second(size: int, repeats: int) -> float:
-  """Median FLOP/s of a jitted f32 (size x size) @ (size x size) on the first device."""
-  device = jax.devices()[0]
-  a, b = (jax.device_put(jax.random.normal(jax.random.key(i), (size, size), jnp.float32), device)
-          for i in range(2))
-  dot = jax.jit(jnp.dot)
-  dot(a, b).block_until_ready()  # compile
-  seconds = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    dot(a, b).block_until_ready()
-    seconds.append(time.perf_counter() - start)
-  return 2 * size**3 / statistics.median(seconds)
-
-
 def _cost(compiled) -> dict[str, float]:
   cost = compiled.cost_analysis() or {}
   return {"flops": float(cost.get("flops", 0.0)),
@@ -214,7 +200,7 @@ def benchmark(config: ml_collections.ConfigDict, *, rounds: int, steps_per_round
               warmup_steps: int, check_steps: int, rtol: float, matmul_size: int,
               matmul_repeats: int, bare_batch_constraint: bool = True) -> dict:
   """Measures the matmul peak, then the toolkit and bare steps; returns plain numbers."""
-  peak = matmul_flops_per_second(matmul_size, matmul_repeats)
+  peak = setup_lib.matmul_flops_per_second(matmul_size, matmul_repeats)
   _progress(f"matmul peak {peak / 1e9:.1f} GFLOP/s")
 
   # The toolkit step, built by the same `toolkit.training.build` the training loop uses.
@@ -247,7 +233,7 @@ def benchmark(config: ml_collections.ConfigDict, *, rounds: int, steps_per_round
 
   losses = _check_same_math(steps, states, batch, check_steps, rtol)
   seconds = _time_rounds(steps, states, batch, warmup_steps, rounds, steps_per_round)
-  peak_after = matmul_flops_per_second(matmul_size, matmul_repeats)
+  peak_after = setup_lib.matmul_flops_per_second(matmul_size, matmul_repeats)
 
   tokens_per_step = config.data.global_batch_size * config.data.seq_len
   flops_per_step = model_cfg.flops_per_token(config.data.seq_len) * tokens_per_step

@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 from toolkit.errors import ConfigError
 from toolkit.training import checkpoint, metrics as metrics_lib, state as state_lib
 from toolkit.training import init_from, step as step_lib, tasks
-from toolkit.training.setup import Setup, build, peak_flops_per_device, work_per_step
+from toolkit.training.setup import Setup, build, peak_flops_total, work_per_step
 
 
 class NonFiniteLoss(RuntimeError):
@@ -218,7 +218,7 @@ class Run:
 
   def __post_init__(self):
     self.units_per_step, self.flops_per_step = work_per_step(self.config, self.setup)
-    self.peak_flops_total = peak_flops_per_device(self.config) * self.setup.spec.mesh.size
+    self.peak_flops_total = peak_flops_total(self.config, self.setup.spec.mesh)
     self.config_dict = checkpoint.config_to_dict(self.config)
 
 

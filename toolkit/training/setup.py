@@ -4,8 +4,11 @@ inference and ahead-of-time compiles all start from here."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -41,12 +44,35 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
                task=task)
 
 
-def peak_flops_per_device(config: ml_collections.ConfigDict) -> float:
-  """`train.peak_flops_per_device`, or the chip's bf16 peak from the accelerator table (0 when
-  unknown, which turns MFU off)."""
+def matmul_flops_per_second(size: int = 2048, repeats: int = 5, device=None) -> float:
+  """Median FLOP/s of a jitted float32 (size x size) @ (size x size) on `device` (default: the
+  first device), after one untimed call."""
+  device = device or jax.devices()[0]
+  a, b = (jax.device_put(jax.random.normal(jax.random.key(i), (size, size), jnp.float32), device)
+          for i in range(2))
+  dot = jax.jit(jnp.dot)
+  dot(a, b).block_until_ready()  # compile
+  seconds = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    dot(a, b).block_until_ready()
+    seconds.append(time.perf_counter() - start)
+  return 2 * size**3 / statistics.median(seconds)
+
+
+def peak_flops_total(config: ml_collections.ConfigDict, mesh) -> float:
+  """Peak FLOP/s of the devices in `mesh`, for MFU: `train.peak_flops_per_device` x devices
+  when set (> 0); else the chip's bf16 peak from the accelerator table x devices; else, on CPU,
+  the host's float32 matmul peak measured now (1024^2 matmuls), however many devices the mesh
+  holds: simulated CPU devices share the host's cores, so 1 device and 8 have the same peak;
+  else 0, which turns MFU off."""
   if config.train.peak_flops_per_device > 0:
-    return config.train.peak_flops_per_device
-  return accelerators.peak_flops_per_chip(jax.devices()[0].device_kind)
+    return config.train.peak_flops_per_device * mesh.size
+  device = mesh.devices.flat[0]
+  table = accelerators.peak_flops_per_chip(device.device_kind)
+  if table or device.platform != "cpu":
+    return table * mesh.size
+  return matmul_flops_per_second(1024, 5, device)
 
 
 def work_per_step(config: ml_collections.ConfigDict, setup: Setup) -> tuple[int, float]:
