@@ -37,8 +37,8 @@ import sharding
 # The name the kernels' outputs (and their softmax statistics) carry for remat policies: a
 # policy that saves it never reruns attention in the backward pass.
 CONTEXT = "context"
-# Measured on CPU (bench in docs/training.md): below this many keys the XLA implementation's
-# fused scores win; from it the blockwise loop is as fast and its memory stays linear.
+# Below this many keys `auto` keeps the XLA implementation's scores, from it the blockwise loop
+# (memory linear in the length). Not yet timed: the speed crossover on CPU is unmeasured.
 BLOCKWISE_FROM = 1024
 # Compiled for v5p-8 (the CPU LM, head_dim 32, remat none, per device): splash 219 MiB vs xla
 # 201 MiB at 256 tokens, 423 vs 516 MiB at 512. The kernel's residuals are laid out heads-major
