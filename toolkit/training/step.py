@@ -41,10 +41,18 @@ def make_optimizer(opt_config, total_steps: int,
   if schedule is None:
     schedule = learning_rate_schedule(opt_config, total_steps)
   return optax.chain(
-      optax.clip_by_global_norm(opt_config.clip_norm),
+      optax.clip_by_global_norm(clip_threshold(opt_config.clip_norm)),
       optax.adamw(schedule, b1=opt_config.b1,
                   b2=opt_config.b2, eps=opt_config.eps, weight_decay=opt_config.weight_decay,
                   mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+
+
+def clip_threshold(clip_norm):
+  """optimizer.clip_norm as optax's threshold: 0 turns clipping off (an infinite threshold).
+  `clip_norm` is a number, or a traced array when a population gives each trial its own."""
+  if isinstance(clip_norm, (int, float)):
+    return clip_norm if clip_norm > 0 else float("inf")
+  return jnp.where(clip_norm > 0, clip_norm, jnp.inf)
 
 
 def cross_entropy_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> jax.Array:

@@ -91,3 +91,26 @@ def test_state_is_donated():
   # Output shardings are exactly the layout's.
   for actual, expected in zip(jax.tree.leaves(new_state), jax.tree.leaves(setup.layout.shardings)):
     assert actual.sharding == expected
+
+
+@pytest.mark.parametrize("clip_norm", [0.0, jax.numpy.float32(0.0)])
+def test_clip_norm_zero_turns_clipping_off(clip_norm):
+  """0 is "off" (not "clip every gradient to nothing"), for a number and for a traced value as
+  a population passes it: Adam's first moment sees the unclipped gradient exactly."""
+  import types  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  config = tiny_config().optimizer.to_dict()
+  grads = {"w": jax.numpy.full((4, 4), 3.0), "b": jax.numpy.full((4,), -2.0)}  # norm 12.6
+  params = jax.tree.map(jax.numpy.zeros_like, grads)
+
+  def first_moment(clip):
+    optimizer = step_lib.make_optimizer(types.SimpleNamespace(**{**config, "clip_norm": clip}),
+                                        10, lambda count: 1e-2)
+    _, state = optimizer.update(grads, optimizer.init(params), params)
+    return optax.tree_utils.tree_get(state, "mu")
+
+  off, unclipped, clipped = first_moment(clip_norm), first_moment(1e30), first_moment(1.0)
+  for a, b in zip(jax.tree.leaves(off), jax.tree.leaves(unclipped)):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(optax.global_norm(off), (1 - config["b1"]) * 12.649, rtol=1e-4)
+  np.testing.assert_allclose(optax.global_norm(clipped), 1 - config["b1"], rtol=1e-5)
