@@ -16,7 +16,7 @@ from toolkit import command_line
 from toolkit.errors import ConfigError
 from toolkit.inference import text as text_lib
 from toolkit.pod import distributed
-from toolkit.training import loop
+from toolkit.training import loop, storage
 
 
 def cli() -> None:
@@ -81,6 +81,8 @@ def cli() -> None:
       print(processes, flush=True)  # every process: one line each, to tell them apart
     try:
       loop.run(config, workdir_flag.value, sampler=text_lib.sample_after_training)
+    except storage.StorageError as e:
+      command_line.fail(e, now=True)
     except (ConfigError, sharding.ShardingError, loop.NonFiniteLoss) as e:
       command_line.fail(e)
     except jax.errors.JaxRuntimeError as e:

@@ -123,7 +123,11 @@ def test_tiny_run_writes_progress_eval_checkpoints_metrics_tensorboard_and_plot(
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert sorted(r["step"] for r in records if r["kind"] == "train") == list(range(1, 11))
   assert sorted(r["step"] for r in records if r["kind"] == "eval") == [0, 10]
-  assert all(r["loss"] > 0 for r in records)
+  assert all(r["loss"] > 0 for r in records if r["kind"] in ("train", "eval"))
+  # One record per save: how long it blocked the loop, and how long until it was written.
+  saves = [r for r in records if r["kind"] == "checkpoint"]
+  assert [r["step"] for r in saves] == [5, 10], saves
+  assert all(0 < r["blocking_seconds"] < r["seconds"] for r in saves), saves
   assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
   assert (workdir / "loss.png").read_bytes().startswith(b"\x89PNG")
 
