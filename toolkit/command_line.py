@@ -229,6 +229,23 @@ def parse_flags(argv: list[str], config_flag=None, required: dict[str, str] | No
   return rest
 
 
+def check_platform() -> None:
+  """One `error:` line when JAX cannot start the platform the environment asks for: with
+  JAX_PLATFORMS=cuda on a machine without a GPU (or without JAX's CUDA plugin) JAX ends in a
+  bare AssertionError. Call it after joining other processes (`jax.distributed`), which must
+  come before JAX starts its devices."""
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    jax.devices()
+  except (RuntimeError, AssertionError) as e:
+    requested = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else (
+        "its devices or its JAX plugin are missing")
+    fail(f"JAX_PLATFORMS={requested!r} asks for a platform JAX cannot start here ({detail}); "
+         f"unset JAX_PLATFORMS to use the devices this machine has, or install that "
+         f"platform's JAX plugin on a machine that has it (e.g. pip install 'jax[cuda12]')")
+
+
 def quiet_logging() -> None:
   """Orbax logs every save at INFO: show warnings only, unless -v/--verbosity was given.
 

@@ -77,6 +77,9 @@ def cli() -> None:
           heartbeat_timeout=heartbeat_timeout_flag.value)
     except ConfigError as e:
       command_line.fail(e, command_line.USAGE_EXIT)
+    except (RuntimeError, AssertionError):
+      command_line.check_platform()  # one line when it is JAX_PLATFORMS that failed
+      raise
     if processes.process_count > 1:
       print(processes, flush=True)  # every process: one line each, to tell them apart
     try:

@@ -29,6 +29,20 @@ def encode(text: str) -> np.ndarray:
   return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
 
+def utf8_problem(text: str) -> str | None:
+  """Why `text` has no UTF-8 encoding, or None. Python strings can hold lone surrogates: an
+  unpaired "\\ud800" escape in JSON, or (U+DC80..U+DCFF) a byte that was not UTF-8 on the
+  command line."""
+  try:
+    text.encode("utf-8")
+    return None
+  except UnicodeEncodeError as e:
+    code = ord(text[e.start])
+    if 0xDC80 <= code <= 0xDCFF:
+      return f"byte 0x{code - 0xDC00:02x} at character {e.start} is not UTF-8"
+    return f"lone surrogate U+{code:04X} at character {e.start}"
+
+
 def decode(tokens) -> str:
   return bytes(int(t) for t in tokens if 0 <= int(t) < 256).decode("utf-8", errors="replace")
 

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 import sharding
 from models import KINDS, LlamaConfig
+from toolkit.data import text
 from toolkit.errors import ConfigError
 from toolkit.training import init_from
 
@@ -268,6 +269,9 @@ def resolve(config: ml_collections.ConfigDict,
         f"data.global_batch_size={d.global_batch_size} (micro-batch {micro}) is not divisible by "
         f"the batch-sharding axes {axes} ({batch_ways} ways); use a multiple of "
         f"{batch_ways * t.microbatches}")
+  if (problem := text.utf8_problem(t.get("sample_prompt", ""))) is not None:
+    raise ConfigError(f"train.sample_prompt is not valid UTF-8 text ({problem}); give the "
+                      f"prompt in UTF-8")
   if t.resume_from and not os.path.isdir(t.resume_from):
     raise ConfigError(f"train.resume_from={t.resume_from!r} is not a directory; give a workdir "
                       f"or its checkpoints/ folder")
