@@ -146,10 +146,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
 
 # --- setup ----------------------------------------------------------------------------------
 
-def prepare_workdir(workdir: str, checkpoint_size: int) -> None:
+def prepare_workdir(workdir: str, checkpoint_size: int | None = None) -> None:
   """Creates the workdir and checks that it and its checkpoints/ folder can be written (without
-  writing: a refused run leaves an existing workdir as it was); warns when free space is below
-  two checkpoints."""
+  writing: a refused run leaves an existing workdir as it was); with `checkpoint_size` (bytes)
+  warns when free space is below two checkpoints."""
   from toolkit import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   if (problem := workdir_lib.problem(workdir)) is not None:
     raise ConfigError(problem)
@@ -158,9 +158,11 @@ def prepare_workdir(workdir: str, checkpoint_size: int) -> None:
   except OSError as e:
     raise ConfigError(f"--workdir={workdir!r} cannot be created ({e.strerror}); choose a "
                       f"writable directory") from None
+  storage.check_writable(workdir)
+  if checkpoint_size is None:
+    return
   checkpoints = os.path.join(workdir, "checkpoints")
-  for folder in (workdir, checkpoints):
-    storage.check_writable(folder)
+  storage.check_writable(checkpoints)
   if (warning := storage.free_space_warning(checkpoints, checkpoint_size)) is not None:
     log(f"warning: {warning}")
 
