@@ -26,9 +26,9 @@ def cli() -> None:
   them into one job (flags, else SLURM / Open MPI / Cloud TPU, else one process).
 
   Exit status: 0 when training finished or stopped on SIGTERM/SIGINT with a checkpoint;
-  2 for a command-line mistake; 1 for a config, workdir or checkpoint mistake, a non-finite
-  loss, or a peer process that failed or never started. Every mistake prints one `error:` line
-  on stderr, and nothing in the workdir changes. When JAX's runtime itself ends a process
+  2 for a command-line mistake; 1 for a config, workdir or checkpoint mistake, a full or
+  read-only disk, a non-finite loss, or a peer process that failed or never started. Each prints
+  one `error:` line on stderr (docs/faults.md). When JAX's runtime itself ends a process
   (process 0 died, or a peer stopped sending heartbeats) it exits on SIGABRT.
   """
   from absl import app, flags  # pylint: disable=g-import-not-at-top
