@@ -45,22 +45,12 @@ def read_documents(paths: list[str], text_key: str):
         raise ConfigError(f"input {path} is not UTF-8 text ({e.reason} at byte {e.start})"
                           ) from None
       continue
-    with open(path, "rb") as f:
-      for number, raw in enumerate(f, 1):
-        text = _jsonl_text(raw, f"{path} line {number}", text_key)
-        if text is not None:
-          yield text
+    for where, line in text_lib.jsonl_lines(path):
+      yield _jsonl_text(line, where, text_key)
 
 
-def _jsonl_text(raw: bytes, where: str, text_key: str) -> str | None:
-  """The text of one JSONL line (None for a blank line); errors name `where` and the fix."""
-  try:
-    line = raw.decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise ConfigError(f"{where} is not UTF-8 ({e.reason} at byte {e.start}); convert the file "
-                      f"to UTF-8") from None
-  if not line.strip():
-    return None
+def _jsonl_text(line: str, where: str, text_key: str) -> str:
+  """The text of one JSONL line; errors name `where` and the fix."""
   try:
     record = json.loads(line)
   except json.JSONDecodeError as e:

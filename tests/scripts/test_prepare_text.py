@@ -66,7 +66,7 @@ def test_bad_inputs(tmp_path):
   # Each of these once ended in a traceback or wrote a dataset of one end-of-document token.
   (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
   with pytest.raises(ConfigError, match=r"latin1.jsonl line 2 is not UTF-8 \(invalid "
-                                        r"continuation byte at byte 13\); convert the file"):
+                                        r"continuation byte at byte 13\); save the file"):
     prepare_text.prepare([str(tmp_path / "latin1.jsonl")], str(tmp_path / "o"), tokenizer, 0.1,
                          100)
   (tmp_path / "surrogate.jsonl").write_text('{"text": "ok"}\n{"text": "a\\ud800b"}\n')

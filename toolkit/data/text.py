@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from toolkit.data.feed import MAX_STEPS, Batch, BatchIterator, Position, local_rows
+from toolkit.errors import ConfigError
 
 
 @functools.cache
@@ -27,6 +28,21 @@ def stdlib_docs_bytes() -> np.ndarray:
 
 def encode(text: str) -> np.ndarray:
   return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+
+def jsonl_lines(path: str):
+  """Yields (where, line) for each non-blank line of a JSONL file, `where` being "PATH line N"
+  for error messages; a line that is not UTF-8 is a ConfigError naming it."""
+  with open(path, "rb") as f:
+    for number, raw in enumerate(f, 1):
+      where = f"{path} line {number}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ConfigError(f"{where} is not UTF-8 ({e.reason} at byte {e.start}); save the "
+                          f"file as UTF-8") from None
+      if line.strip():
+        yield where, line
 
 
 def utf8_problem(text: str) -> str | None:

@@ -24,29 +24,20 @@ def read_requests(path: str, defaults: SamplingParams, vocab_size: int,
     raise ConfigError(f"--prompts_file={path!r} does not exist; give a JSONL file with one "
                       f'{{"prompt": "..."}} object per line')
   lines, prompts, params = [], [], []
-  with open(path, "rb") as f:
-    for number, raw in enumerate(f, 1):
-      where = f"{path} line {number}"
-      try:
-        line = raw.decode("utf-8")
-      except UnicodeDecodeError as e:
-        raise ConfigError(f"{where} is not UTF-8 ({e.reason} at byte {e.start}); save the file "
-                          f"as UTF-8") from None
-      if not line.strip():
-        continue
-      try:
-        record = parse_json(line)
-      except RequestError as e:
-        raise ConfigError(f"{where} {e}") from None
-      try:
-        prompt = parse_prompt(record, vocab_size, codec)
-        fields = {k: v for k, v in record.items() if k not in ("prompt", "tokens", "id")}
-        fields.setdefault("seed", defaults.seed + len(prompts))
-        params.append(codec.stop_at_eos(SamplingParams.from_dict(fields, vocab_size, defaults)))
-      except RequestError as e:
-        raise ConfigError(f"{where}: {e}") from None
-      lines.append(record)
-      prompts.append(prompt)
+  for where, line in text.jsonl_lines(path):
+    try:
+      record = parse_json(line)
+    except RequestError as e:
+      raise ConfigError(f"{where} {e}") from None
+    try:
+      prompt = parse_prompt(record, vocab_size, codec)
+      fields = {k: v for k, v in record.items() if k not in ("prompt", "tokens", "id")}
+      fields.setdefault("seed", defaults.seed + len(prompts))
+      params.append(codec.stop_at_eos(SamplingParams.from_dict(fields, vocab_size, defaults)))
+    except RequestError as e:
+      raise ConfigError(f"{where}: {e}") from None
+    lines.append(record)
+    prompts.append(prompt)
   if not prompts:
     raise ConfigError(f"--prompts_file={path!r} holds no prompts; give one JSON object per line")
   return lines, prompts, params
