@@ -9,7 +9,9 @@ fingerprints cost.
    steps with a checkpoint every --checkpoint_every, as `toolkit.train` does. Per save: the
    time the loop spent inside `Checkpoints.save` (timed here around the call, so any revision
    of the code is measured the same way) against the save's total time from that call until
-   Orbax committed it (Orbax's own `/jax/orbax/write/async/total_duration_secs` event). The
+   Orbax committed it (when Orbax reports its `/jax/orbax/write/async/total_duration_secs`
+   event; that event's own duration starts where Orbax's save starts, which a revision may
+   put after the call returns). The
    first save is reported apart (one-time costs), the others as medians; the blocking
    fraction is blocking / total per save. To measure another revision, run this file with
    that revision first on PYTHONPATH (its toolkit is then imported instead).
@@ -44,9 +46,9 @@ def save_timings(variant: str, steps: int, every: int) -> list[dict]:
   from experiments import lm  # pylint: disable=g-import-not-at-top
   from toolkit import training  # pylint: disable=g-import-not-at-top
   from toolkit.training import checkpoint  # pylint: disable=g-import-not-at-top
-  totals: list[float] = []
+  committed: list[float] = []  # when each save was committed
   jax.monitoring.register_event_duration_secs_listener(
-      lambda name, seconds, **_: totals.append(seconds)
+      lambda name, seconds, **_: committed.append(time.perf_counter())
       if name == "/jax/orbax/write/async/total_duration_secs" else None)
   saves: list[dict] = []
   original = checkpoint.Checkpoints.save
@@ -54,7 +56,7 @@ def save_timings(variant: str, steps: int, every: int) -> list[dict]:
   def timed_save(self, step, *args, **kwargs):
     start = time.perf_counter()
     original(self, step, *args, **kwargs)
-    saves.append({"step": step, "blocking_s": time.perf_counter() - start})
+    saves.append({"step": step, "started": start, "blocking_s": time.perf_counter() - start})
 
   checkpoint.Checkpoints.save = timed_save
   config = lm.get_config(variant)
@@ -63,8 +65,8 @@ def save_timings(variant: str, steps: int, every: int) -> list[dict]:
   with tempfile.TemporaryDirectory() as workdir:
     training.run(config, workdir)
   checkpoint.Checkpoints.save = original
-  for save, total in zip(saves, totals):
-    save["total_s"] = total
+  for save, end in zip(saves, committed):
+    save["total_s"] = end - save.pop("started")
   return saves
 
 

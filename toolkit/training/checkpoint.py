@@ -110,6 +110,7 @@ class Checkpoints:
     except OSError as e:
       raise storage.StorageError(f"checkpoint folder {self.directory} cannot be used "
                                  f"({storage.cause(e)}); {storage.fix(e)}") from None
+    self._writer = storage.Writer("checkpoint writer")
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -117,22 +118,36 @@ class Checkpoints:
   def all_steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
-  # --- writing ---------------------------------------------------------------------------------
+  # --- writing: the loop copies the state into host memory; a thread hands it to Orbax ------
 
   def save(self, step: int, state: State, config: dict, data_position: dict) -> None:
-    """Starts an async save; returns once the arrays are copied off the devices (the time it
-    blocked is in `timings`). Raises StorageError when this or the previous save failed."""
+    """Copies `state` into host memory (a snapshot the next step's donated buffers cannot
+    touch), starts its fingerprints on the devices, and queues the write on the writer thread;
+    returns once the copy is made, all the loop waits for (the time is in `timings`). Raises
+    StorageError when an earlier save failed."""
     timing = SaveTiming(step=step, started=time.perf_counter())
-    try:
-      fingerprints = integrity.fingerprints(state)
-      self.manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.PyTreeSave(state), config=ocp.args.JsonSave(config),
-          data=ocp.args.JsonSave(data_position), integrity=ocp.args.JsonSave(fingerprints)),
-          force=True)
-    except Exception as e:  # pylint: disable=broad-except  # Orbax/TensorStore raise many kinds
-      raise self._write_failed(e) from None
+    self._writer.wait()  # one snapshot at a time: the previous one is in Orbax's hands
+    self._raise_failure()
+    fingerprints = integrity.start(state)
+    snapshot = _host_snapshot(state)
     timing.blocking_seconds = time.perf_counter() - timing.started
     self.timings.append(timing)
+    write = lambda: self._write(step, snapshot, fingerprints, config, data_position)
+    if snapshot is state:  # no host memory to copy into: Orbax copies, on this thread
+      write()
+      timing.blocking_seconds = time.perf_counter() - timing.started
+    else:
+      self._writer.submit(write)
+
+  def _write(self, step: int, state: State, fingerprints: integrity.Pending, config: dict,
+             data_position: dict) -> None:
+    try:
+      self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeSave(state), config=ocp.args.JsonSave(config),
+          data=ocp.args.JsonSave(data_position),
+          integrity=ocp.args.JsonSave(integrity.collect(fingerprints))), force=True)
+    except Exception as e:  # pylint: disable=broad-except  # Orbax/TensorStore raise many kinds
+      raise self._write_failed(e) from None
 
   def _written(self) -> None:
     """Orbax's post-finalization callback (its background thread): the oldest save not yet
@@ -142,18 +157,26 @@ class Checkpoints:
         timing.written = time.perf_counter()
         return
 
+  def _raise_failure(self) -> None:
+    if self._writer.failure is not None:
+      raise self._writer.failure
+
   def wait(self) -> None:
-    """Blocks until the last save is on disk; StorageError if it failed."""
+    """Blocks until the last save is on disk; StorageError if a save failed."""
+    self._writer.wait()
+    self._raise_failure()
     try:
       self.manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
       raise self._write_failed(e) from None
 
   def close(self, timeout_s: float | None = None) -> None:
-    """Waits for the last save, then closes; StorageError if that save failed. With
-    `timeout_s` (after a failure elsewhere) both are bounded and their errors dropped."""
+    """Waits for the last save, then closes; StorageError if a save failed. With `timeout_s`
+    (after a failure elsewhere) both are bounded and their errors dropped."""
     if timeout_s is not None:
-      storage.call_bounded(self.manager.wait_until_finished, timeout_s, "the last save")
+      waited = storage.call_bounded(self.wait, timeout_s, "the last save")
+      if isinstance(waited, TimeoutError):
+        return  # still writing: leave it; its temporary folder is removed at the next start
       storage.call_bounded(self.manager.close, timeout_s, "closing the checkpoint manager")
       storage.remove_partial(self.directory)
       return
@@ -244,6 +267,17 @@ class Checkpoints:
       raise DamagedCheckpoint(self.directory, step, f"the fingerprint of {bad[0]} does not "
                               f"match the one saved with it" + (
                                   f" (and {len(bad) - 1} more arrays)" if len(bad) > 1 else ""))
+
+
+def _host_snapshot(state: State) -> State:
+  """`state` copied into pinned host memory with the same shardings, once the copy is made;
+  `state` itself where the devices have no such memory."""
+  device = next(iter(jax.tree.leaves(state)[0].sharding.device_set))
+  if "pinned_host" not in {memory.kind for memory in device.addressable_memories()}:
+    return state
+  snapshot = jax.device_put(state, jax.tree.map(
+      lambda x: x.sharding.with_memory_kind("pinned_host"), state))
+  return jax.block_until_ready(snapshot)
 
 
 def _tree_restore(target, partial: bool = False) -> ocp.args.PyTreeRestore:

@@ -11,6 +11,8 @@ array is all-reduced.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,24 +45,39 @@ def compile_for(tree) -> None:
 
 
 def _compiled(tree):
-  """The compiled fingerprint of every leaf, one per tree structure and sharding layout."""
+  """The compiled fingerprints of all leaves, as one uint32 vector (one transfer to the host),
+  one program per tree structure and sharding layout."""
   leaves, treedef = jax.tree.flatten(tree)
   key = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
   if key not in _COMPILED:
     mesh = next((x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)), None)
     out = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                            tree)
-    _COMPILED[key] = jax.jit(lambda t: jax.tree.map(fingerprint, t),
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
+    _COMPILED[key] = jax.jit(lambda xs: jnp.stack([fingerprint(x) for x in xs]),
                              out_shardings=out).lower(abstract).compile()
   return _COMPILED[key]
 
 
+@dataclasses.dataclass(frozen=True)
+class Pending:
+  """Fingerprints being computed on the devices: their paths, and the values to come."""
+  paths: list[str]
+  values: jax.Array
+
+
+def start(tree) -> Pending:
+  """Starts the fingerprints of `tree`'s arrays on the devices; returns at once."""
+  paths = [_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return Pending(paths, _compiled(tree)(jax.tree.leaves(tree)))
+
+
+def collect(pending: Pending) -> dict[str, int]:
+  """Path ("params/embed", "opt_state/1/0/mu/embed", ...) -> fingerprint, once computed."""
+  return dict(zip(pending.paths, (int(v) for v in np.asarray(jax.device_get(pending.values)))))
+
+
 def fingerprints(tree) -> dict[str, int]:
-  """Path ("params/embed", "opt_state/1/0/mu/embed", ...) -> fingerprint of every array."""
-  values = jax.device_get(_compiled(tree)(tree))
-  return {_path(path): int(value)
-          for path, value in jax.tree_util.tree_flatten_with_path(values)[0]}
+  return collect(start(tree))
 
 
 def mismatches(tree, expected: dict[str, int], prefix: str = "") -> list[str]:

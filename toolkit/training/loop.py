@@ -118,8 +118,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
     raise ConfigError(f"the checkpoint is at step {start_step}, past train.steps="
                       f"{config.train.steps}; raise train.steps to continue training")
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
+    write_config(config, os.path.join(workdir, "config.json"))
 
   # --- compile once --------------------------------------------------------------------------
   train_step, eval_step = compile_steps(setup)
@@ -165,6 +164,15 @@ def prepare_workdir(workdir: str, checkpoint_size: int | None = None) -> None:
   storage.check_writable(checkpoints)
   if (warning := storage.free_space_warning(checkpoints, checkpoint_size)) is not None:
     log(f"warning: {warning}")
+
+
+def write_config(config: ml_collections.ConfigDict, path: str) -> None:
+  try:
+    with open(path, "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+  except OSError as e:
+    raise storage.StorageError(f"{path} cannot be written ({storage.cause(e)}); "
+                               f"{storage.fix(e)}") from None
 
 
 def checkpoint_bytes(setup: Setup) -> int:

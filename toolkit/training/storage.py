@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
 import re
 import shutil
 import threading
@@ -133,6 +134,44 @@ def set_aside(directory: str, step: int) -> str:
                        f"to {target_dir} ({cause(e)}); {fix(e)}, or move it away by hand"
                        ) from None
   return str(target)
+
+
+class Writer:
+  """One daemon thread that runs submitted writes in order, so the caller does not wait for
+  them. The first failure is kept in `failure` (later writes still run: each reports its own);
+  being a daemon, the thread never holds the process at exit."""
+
+  def __init__(self, name: str):
+    self.name, self.failure = name, None
+    self._jobs: queue.Queue = queue.Queue()
+    self._pending = 0
+    self._done = threading.Condition()
+    self._thread: threading.Thread | None = None
+
+  def submit(self, job: Callable[[], object]) -> None:
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+      self._thread.start()
+    with self._done:
+      self._pending += 1
+    self._jobs.put(job)
+
+  def _run(self) -> None:
+    while True:
+      job = self._jobs.get()
+      try:
+        job()
+      except BaseException as e:  # pylint: disable=broad-except  # kept for the caller
+        self.failure = self.failure or e
+      finally:
+        with self._done:
+          self._pending -= 1
+          self._done.notify_all()
+
+  def wait(self, timeout_s: float | None = None) -> bool:
+    """Waits until every submitted write has run; False if `timeout_s` passed first."""
+    with self._done:
+      return self._done.wait_for(lambda: self._pending == 0, timeout_s)
 
 
 def call_bounded(function: Callable[[], object], seconds: float, what: str) -> BaseException | None:
