@@ -128,6 +128,14 @@ RANGES: dict[str, Range] = {
     "model.head_dim": count("width of one head; 0 means d_model // n_heads", low=0),
     "model.mlp_dim": count("hidden width of the MLP"),
     "model.rope_theta": positive("rotary embedding base"),
+    # Llama 3 rotary scaling (used when model.rope_type='llama3'; the model also checks that
+    # rope_low_freq_factor < rope_high_freq_factor)
+    "model.rope_factor": Range(1.0, meaning="what long-wavelength frequencies are divided by"),
+    "model.rope_low_freq_factor": positive("wavelengths beyond original positions / this are "
+                                           "scaled"),
+    "model.rope_high_freq_factor": positive("wavelengths below original positions / this are "
+                                            "kept"),
+    "model.rope_original_max_positions": count("context length the model was trained at"),
     "model.norm_eps": positive("RMSNorm epsilon"),
     "model.init_std": positive("standard deviation of the initial weights"),
     "model.image_size": count("image height and width in pixels"),
