@@ -56,7 +56,9 @@ def defaults() -> ml_collections.ConfigDict:
       sample_prompt="The ", transfer_guard=True,
       # Weights to start from, with a fresh optimizer, when neither the workdir nor
       # resume_from has a checkpoint: "hf:DIR", a Hugging Face model folder (toolkit/hf).
-      init_from=""))
+      init_from="",
+      # Classifiers: train against targets (1 - s) * one_hot + s / classes (0: off).
+      label_smoothing=0.0))
   return c
 
 
@@ -148,10 +150,20 @@ def resolve(config: ml_collections.ConfigDict,
     raise ConfigError(f"train.resume_from={t.resume_from!r} is not a directory; give a workdir "
                       f"or its checkpoints/ folder")
   init_from.parse(t.get("init_from", ""))  # absent from configs saved before it existed
+  _check_label_smoothing(t.get("label_smoothing", 0.0), task, kind)  # absent: saved before it
   if t.peak_flops_per_device < 0:
     raise ConfigError(f"train.peak_flops_per_device={t.peak_flops_per_device} must be >= 0; "
                       f"0 looks the peak up from the device kind")
   return RunSpec(model=model, mesh=mesh, rules=rules, batch_ways=batch_ways, task=task)
+
+
+def _check_label_smoothing(smoothing: float, task: str, kind: str) -> None:
+  if not 0 <= smoothing < 1:
+    raise ConfigError(f"train.label_smoothing={smoothing} must be in [0, 1); e.g. 0.1 moves a "
+                      f"tenth of each target's weight evenly onto all classes")
+  if smoothing and task != "classification":
+    raise ConfigError(f"train.label_smoothing={smoothing} applies to classifiers "
+                      f"(model.kind='vit'); set it to 0 for model.kind={kind!r}")
 
 
 def model_config(section: ml_collections.ConfigDict):
