@@ -52,3 +52,19 @@ def test_label_smoothing_is_checked(experiment, value, message):
   config.train.label_smoothing = value
   with pytest.raises(ConfigError, match=message):
     config_lib.resolve(config)
+
+
+def test_confusion_matrix_counts_each_real_example_once():
+  """Two eval batches, the second padded: the summary and its confusion matrix see only the
+  weight-1 rows; the diagonal holds the correct ones."""
+  labels = np.array([[0, 1, 2, 3], [3, 3, 9, 9]], np.int32)
+  predictions = np.array([[0, 1, 5, 3], [3, 0, 9, 9]], np.int32)
+  weights = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], np.float32)
+  results = [{"loss_sum": 1.0, "count": w.sum(), "correct": ((p == l) * w).sum(),
+              "labels": l, "predictions": p, "weights": w}
+             for l, p, w in zip(labels, predictions, weights)]
+  summary = tasks.classification_summary(results)
+  matrix = tasks.confusion_matrix(summary["labels"], summary["predictions"], 10)
+  assert summary["examples"] == matrix.sum() == 6
+  assert summary["accuracy"] == np.trace(matrix) / 6 == 4 / 6
+  assert matrix[2, 5] == 1 and matrix[3, 0] == 1 and matrix[9].sum() == 0
