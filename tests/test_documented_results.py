@@ -18,7 +18,7 @@ import pathlib
 
 import pytest
 
-from experiments import lm, vit
+from experiments import hf as hf_experiment, lm, vit
 from models import LlamaConfig, ViTConfig
 from toolkit import training
 from toolkit.tuning import population, results as results_lib, runner, seeds as seeds_lib
@@ -47,6 +47,12 @@ VIT_MEAN, VIT_MEAN_TOLERANCE = 0.9889, 0.01
 SWEEP_BEST_TRIAL, SWEEP_BEST_BITS, SWEEP_BEST_TOLERANCE = 2, 2.73, 0.1
 SWEEP_WORST_TRIAL, SWEEP_WORST_BITS, SWEEP_WORST_TOLERANCE = 1, 3.86, 0.05
 
+# The Hugging Face fine-tune (experiments/hf.py on scripts/tiny_hf_model.py's random model):
+# held-out bits per byte at step 0 (random weights) and at step 100, and the exported model's
+# parameter count as transformers prints it.
+HF_START_BITS, HF_END_BITS, HF_TOLERANCE = 8.5, 3.4, 0.1  # the docs round to 0.1
+HF_PARAMETERS = 115136
+
 CLAIMS = {
     "README.md": [
         "a 0.9 M-parameter Llama-style model",
@@ -62,6 +68,11 @@ CLAIMS = {
                            f"i.e. {VIT_MEAN:.2%} +-"],
     "docs/images.md": [f">= {VIT_FLOOR:.0%} held-out accuracy on each of seeds 0, 1 and 2",
                        f"({VIT_MEAN:.2%} +-"],
+    "experiments/hf.py": [f"held-out loss falls from {HF_START_BITS} bits per byte (random "
+                          f"weights) to {HF_END_BITS} at step 100"],
+    "docs/huggingface.md": [f"held-out loss falls from {HF_START_BITS} bits per byte to "
+                            f"{HF_END_BITS} in the 100 steps",
+                            f"prints `['LlamaForCausalLM'] {HF_PARAMETERS}`"],
     "docs/sweeps.md": [f"00{SWEEP_BEST_TRIAL} (learning rate 0.0127, warmup 30), {SWEEP_BEST_BITS} "
                        f"bits per byte", f"00{SWEEP_WORST_TRIAL} (learning rate 3.6e-4), "
                        f"{SWEEP_WORST_BITS}"],
@@ -134,3 +145,21 @@ def test_sweep_best_and_worst_trials(tmp_path):
   print(f"\nfinal held-out bits per byte by trial: {final}")
   assert final[SWEEP_BEST_TRIAL] == pytest.approx(SWEEP_BEST_BITS, abs=SWEEP_BEST_TOLERANCE)
   assert final[SWEEP_WORST_TRIAL] == pytest.approx(SWEEP_WORST_BITS, abs=SWEEP_WORST_TOLERANCE)
+
+
+@pytest.mark.slow  # 100 steps of the tiny HF model: ~30 s on 2 cores at a load average of ~5
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_hf_fine_tune_bits_per_byte(tmp_path):
+  """experiments/hf.py and docs/huggingface.md: the tiny random HF Llama, fine-tuned on
+  CPython's docs, 8.5 -> 3.4 bits per byte; its export has 115,136 parameters."""
+  from scripts import tiny_hf_model  # pylint: disable=g-import-not-at-top
+  pytest.importorskip("transformers")
+  folder = tmp_path / "hf_tiny"
+  model = tiny_hf_model.write(str(folder))  # the script's defaults: seed 0, byte tokenizer
+  assert model.num_parameters() == HF_PARAMETERS
+  config = hf_experiment.get_config(str(folder))
+  result = training.run(config, str(tmp_path / "tuned"))
+  bits = {step: loss / math.log(2) for step, loss in result.eval_losses.items()}
+  print(f"\nheld-out bits per byte: {bits}")
+  assert bits[0] == pytest.approx(HF_START_BITS, abs=HF_TOLERANCE)
+  assert bits[config.train.steps] == pytest.approx(HF_END_BITS, abs=HF_TOLERANCE)
