@@ -57,7 +57,9 @@ def defaults() -> ml_collections.ConfigDict:
       sample_prompt="The ", transfer_guard=True,
       # Weights to start from, with a fresh optimizer, when neither the workdir nor
       # resume_from has a checkpoint: "hf:DIR", a Hugging Face model folder (toolkit/hf).
-      init_from=""))
+      init_from="",
+      # Classifiers: train against targets (1 - s) * one_hot + s / classes (0: off).
+      label_smoothing=0.0))
   return c
 
 
@@ -175,6 +177,8 @@ RANGES: dict[str, Range] = {
     "train.peak_flops_per_device": Range(0.0, meaning="peak FLOP/s of one device for MFU; 0 "
                                                       "looks it up from the device kind"),
     "train.sample_tokens": count("tokens sampled after training; 0 is off", low=0),
+    "train.label_smoothing": fraction("share of each classifier target's weight spread evenly "
+                                      "over all classes", high_open=True),
 }
 
 
@@ -284,7 +288,15 @@ def resolve(config: ml_collections.ConfigDict,
     raise ConfigError(f"train.resume_from={t.resume_from!r} is not a directory; give a workdir "
                       f"or its checkpoints/ folder")
   init_from.parse(t.get("init_from", ""))  # absent from configs saved before it existed
+  _check_label_smoothing(t.get("label_smoothing", 0.0), task, kind)  # absent: saved before it
   return RunSpec(model=model, mesh=mesh, rules=rules, batch_ways=batch_ways, task=task)
+
+
+def _check_label_smoothing(smoothing: float, task: str, kind: str) -> None:
+  # its range is checked with the others (RANGES)
+  if smoothing and task != "classification":
+    raise ConfigError(f"train.label_smoothing={smoothing} applies to classifiers "
+                      f"(model.kind='vit'); set it to 0 for model.kind={kind!r}")
 
 
 def model_config(section: ml_collections.ConfigDict):
