@@ -120,9 +120,10 @@ def resolve(config: ml_collections.ConfigDict,
   if not 0 < d.eval_fraction < 1:
     raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be between 0 and 1 "
                       f"(exclusive); e.g. 0.1 holds out a tenth of the text")
-  batch_spec = rules.activation_spec(("batch",), mesh)
-  batch_axes = [a for e in batch_spec if e for a in ((e,) if isinstance(e, str) else e)]
+  batch_axes = _mesh_axes(rules.activation_spec(("batch",), mesh))
   batch_ways = math.prod(mesh.shape[a] for a in batch_axes)
+  if getattr(model, "n_experts", 0):
+    _check_experts(model, mesh, rules, s.preset)
   t = config.train
   _positive(t, "train", "steps", "microbatches", "log_every", "eval_every", "checkpoint_every",
             "keep_checkpoints")
@@ -172,6 +173,41 @@ def model_config(section: ml_collections.ConfigDict):
   except ValueError as e:
     raise ConfigError(str(e)) from None
   return model
+
+
+def _mesh_axes(spec) -> list[str]:
+  """The mesh axes of a one-dimensional PartitionSpec, in order."""
+  return [a for e in spec if e for a in ((e,) if isinstance(e, str) else e)]
+
+
+def _check_experts(model, mesh: Mesh, rules: sharding.Rules, preset: str) -> None:
+  """Mixture-of-experts layouts that would fail, or quietly give up the expert axis."""
+  placed = {role: _mesh_axes(spec(("experts",), mesh)) for role, spec in
+            (("parameters", rules.param_spec), ("activations", rules.activation_spec))}
+  split = "x".join(f"{a}={mesh.shape[a]}" for a in placed["activations"])
+  ways = math.prod(mesh.shape[a] for a in placed["activations"])
+  if model.n_experts % ways:
+    raise ConfigError(f"model.n_experts={model.n_experts} is not divisible by the mesh axes the "
+                      f"experts are split over ({split}, {ways} ways); use a multiple of {ways} "
+                      f"experts or a smaller expert axis in mesh.ici")
+  if mesh.shape.get("expert", 1) > 1 and not all("expert" in axes for axes in placed.values()):
+    unplaced = [role for role, axes in placed.items() if "expert" not in axes]
+    raise ConfigError(
+        f"mesh has expert={mesh.shape['expert']} but sharding.preset={preset!r} does not split "
+        f"the experts' {' and '.join(unplaced)} over it, so every device would hold and run "
+        f"every expert; use sharding.preset=fsdp_ep or fsdp_tp_ep, or map experts=expert in "
+        f"sharding.param_overrides and sharding.activation_overrides")
+  token_axes = _mesh_axes(rules.activation_spec(("batch", "length"), mesh))
+  shared = [a for a in placed["activations"] if a in token_axes]
+  if shared and len(shared) < len(placed["activations"]):
+    raise ConfigError(f"the experts are split over {split} but the batch only over "
+                      f"{'+'.join(shared)} of those axes; split the batch over all of them or "
+                      f"none (sharding.activation_overrides)")
+  if (model.moe_dispatch == "dropless" and model.expert_exchange == "ragged_all_to_all"
+      and shared and mesh.devices.flat[0].platform == "cpu"):
+    raise ConfigError("model.expert_exchange='ragged_all_to_all' does not run on XLA:CPU (jax "
+                      "0.10); use model.expert_exchange=ring on CPU, or compile for a TPU with "
+                      "python -m toolkit.compile")
 
 
 def _positive(section: ml_collections.ConfigDict, name: str, *fields: str) -> None:

@@ -3,7 +3,8 @@
 A task is composed into the step (`toolkit.training.step.make_train_step(loss=..., evaluate=...)`)
 rather than branched on inside it. `for_model` picks the task from the model family:
 
-  lm              next-token cross-entropy; batch {"inputs", "targets"} (batch, length) int32
+  lm              next-token cross-entropy (plus a mixture of experts' router losses, reported
+                  with its router statistics); batch {"inputs", "targets"} (batch, length) int32
   classification  softmax cross-entropy over classes; batch {"images" (batch, H, W, C) float32,
                   "labels" (batch,) int32}, eval batches also "weights" (batch,) float32,
                   1 for a real example and 0 for padding
@@ -20,7 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from toolkit.training.step import cross_entropy_loss
+from toolkit.training.step import cross_entropy_loss, lm_loss
 
 Batch = dict[str, jax.Array]
 
@@ -29,7 +30,7 @@ Batch = dict[str, jax.Array]
 class Task:
   name: str
   unit: str  # what throughput counts in the progress line: "tok" (tokens) or "img" (images)
-  loss: Callable[[nnx.GraphDef, object, Batch], jax.Array]        # mean loss, for grads
+  loss: Callable[[nnx.GraphDef, object, Batch], tuple[jax.Array, dict]]  # (mean loss, metrics)
   evaluate: Callable[[nnx.GraphDef, object, Batch], dict]         # per-batch sums
   summarize: Callable[[Sequence[dict]], dict]                      # -> {"loss": ..., ...}
 
@@ -45,16 +46,16 @@ def lm_summary(results: Sequence[dict]) -> dict:
   return {"loss": loss, "bits_per_byte": loss / math.log(2)}
 
 
-LM = Task(name="lm", unit="tok", loss=cross_entropy_loss, evaluate=lm_eval,
+LM = Task(name="lm", unit="tok", loss=lm_loss, evaluate=lm_eval,
           summarize=lm_summary)
 
 
 # --- classification ---------------------------------------------------------------------------
 
-def classification_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> jax.Array:
-  """Mean softmax cross-entropy (nats) of batch["labels"] given batch["images"]."""
+def classification_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> tuple[jax.Array, dict]:
+  """Mean softmax cross-entropy (nats) of batch["labels"] given batch["images"]; no metrics."""
   logits = nnx.merge(graphdef, params)(batch["images"])
-  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]))
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])), {}
 
 
 def classification_eval(graphdef: nnx.GraphDef, params, batch: Batch) -> dict:

@@ -1,0 +1,66 @@
+"""Mixtral-style mixture-of-experts LM on byte-level text (CPython's docs, no download), with
+its experts split over the `expert` mesh axis.
+
+Launch (8 simulated devices as fsdp 2 x expert 4: each device holds 2 of the 8 experts):
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+    python -m toolkit.train --config=experiments/moe.py:cpu --workdir=runs/moe_cpu
+
+Expected result: see docs/moe.md (held-out bits per byte at step 0 and 300, the router
+metrics in metrics.jsonl: load_balance_loss near 1, expert_load_min / _max near 1).
+
+Variants after the colon, comma separated:
+  cpu            (default) `moe_cpu`: 8 experts of width 192, 2 per token, in each of 4
+                 layers (as many weights per token as lm.py:cpu's dense model), mesh
+                 data:1,fsdp:-1,expert:4, rules fsdp_ep, 300 steps
+  tiny           the unit-test size (`moe_tiny`), 10 steps
+  size=NAME      model preset: moe_tiny, moe_cpu, 8x7b (Mixtral 8x7B; a pod-scale batch of
+                 256 x 4096 tokens and mesh fsdp:-1,expert:8, for toolkit.compile)
+  dispatch=NAME  dropless (sort + ragged_dot, the default) or capacity (one-hot einsums,
+                 --config.model.capacity_factor=1.25)
+  exchange=NAME  how dropless crosses the expert axis: ring (default, runs anywhere) or
+                 ragged_all_to_all (TPU/GPU only)
+  every=N        a mixture of experts in every N-th layer, dense MLPs in the others
+  rules=NAME     sharding preset: fsdp_ep (default) or fsdp_tp_ep (add tensor:2 to mesh.ici)
+
+Will Mixtral 8x7B fit on a v5p-128? (libtpu; see docs/moe.md for the report):
+
+  python -m toolkit.compile --config=experiments/moe.py:size=8x7b,exchange=ragged_all_to_all \\
+      --topology=v5p-128
+"""
+from experiments import lm
+
+_VARIANTS = ("cpu", "tiny")
+_KEYS = ("size", "dispatch", "exchange", "every", "rules")
+_MOE_SIZES = ("moe_tiny", "moe_cpu", "8x7b")
+
+
+def get_config(arg: str | None = None):
+  items = [item for item in (arg or "cpu").split(",") if item]
+  for item in items:
+    key, sep, _ = item.partition("=")
+    if (sep and key not in _KEYS) or (not sep and key not in _VARIANTS):
+      raise ValueError(f"experiments/moe.py: unknown variant {item!r}; choose from "
+                       f"{', '.join(_VARIANTS)} or key=value with keys {', '.join(_KEYS)}")
+  tiny = "tiny" in items
+  config = lm.get_config("tiny" if tiny else "cpu")   # the shared LM experiment
+  lm.set_model(config, "moe_tiny" if tiny else "moe_cpu")
+  config.mesh.ici = "data:1,fsdp:-1,expert:4"
+  config.sharding.preset = "fsdp_ep"
+  for key, _, value in (item.partition("=") for item in items if "=" in item):
+    if key == "size":
+      if value not in _MOE_SIZES:
+        raise ValueError(f"experiments/moe.py: size={value!r} is unknown; choose from "
+                         f"{', '.join(_MOE_SIZES)} (dense sizes: experiments/lm.py)")
+      lm.set_model(config, value)
+      if value == "8x7b":
+        config.mesh.ici = "data:1,fsdp:-1,expert:8"
+    elif key == "dispatch":
+      config.model.moe_dispatch = value
+    elif key == "exchange":
+      config.model.expert_exchange = value
+    elif key == "every":
+      config.model.moe_every = int(value)
+    elif key == "rules":
+      config.sharding.preset = value
+  return config
