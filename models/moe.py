@@ -92,16 +92,17 @@ def route(logits: jax.Array, k: int) -> Routing:
   return Routing(experts.astype(jnp.int32), top / jnp.sum(top, axis=-1, keepdims=True), probs)
 
 
-def load_balance_loss(probs: jax.Array, first_choice: jax.Array) -> jax.Array:
-  """GShard's auxiliary loss: E * sum_e f_e * P_e, where f_e is the fraction of tokens whose
-  first choice is expert e and P_e the mean router probability of e, over all tokens.
+def load_balance_loss(probs: jax.Array, experts: jax.Array) -> jax.Array:
+  """Switch Transformer's auxiliary loss over all k choices: E * sum_e f_e * P_e, where f_e is
+  the fraction of the k * T assignments that go to expert e and P_e the mean router
+  probability of e, over the tokens. (Hugging Face's Mixtral loss is k times this.)
 
-  It is 1.0 whenever the router's probabilities are uniform and E when every token goes to
-  one expert with probability 1; its gradient reaches the router through P_e (f_e counts)."""
+  It is 1.0 whenever the router's probabilities are uniform, and grows as routing and
+  probability pile onto the same experts: E/k at most, E for a top-1 router that sends
+  everything to one expert. Its gradient reaches the router through P_e (f_e counts)."""
   n_experts = probs.shape[-1]
-  probs = probs.reshape(-1, n_experts)
-  fraction = jnp.mean(jax.nn.one_hot(first_choice.reshape(-1), n_experts), axis=0)
-  return n_experts * jnp.sum(fraction * jnp.mean(probs, axis=0))
+  fraction = jnp.mean(jax.nn.one_hot(experts.reshape(-1), n_experts), axis=0)
+  return n_experts * jnp.sum(fraction * jnp.mean(probs.reshape(-1, n_experts), axis=0))
 
 
 def router_z_loss(logits: jax.Array) -> jax.Array:
@@ -316,7 +317,7 @@ def router_stats(logits: jax.Array, routing: Routing, keep: jax.Array) -> dict[s
   dropped, and each expert's share of the assignments (E,)."""
   n_experts = logits.shape[-1]
   assigned = jax.nn.one_hot(routing.experts, n_experts).reshape(-1, n_experts)
-  return {"load_balance_loss": load_balance_loss(routing.probs, routing.experts[..., 0]),
+  return {"load_balance_loss": load_balance_loss(routing.probs, routing.experts),
           "router_z_loss": router_z_loss(logits),
           "dropped_fraction": 1.0 - jnp.mean(keep.astype(jnp.float32)),
           "expert_load": jnp.mean(assigned, axis=0)}

@@ -23,11 +23,24 @@ MESHES = [("expert:8", "fsdp_ep"), ("data:2,expert:4", "fsdp_ep"),
           ("fsdp:2,expert:2,tensor:2", "fsdp_tp_ep")]
 
 
+def init(make):
+  """(graphdef, parameters) of the module `make()` builds, created in one compiled program
+  (created eagerly, each random draw would compile and run on its own: seconds)."""
+  graphdef, _ = nnx.split(nnx.eval_shape(make))
+  return graphdef, jax.jit(lambda: nnx.to_pure_dict(nnx.state(make(), nnx.Param)))()
+
+
+@functools.cache
+def _layer_params(seed: int):
+  return init(lambda: moe.MoE(CFG, nnx.Rngs(params=seed)))[1]
+
+
 def layer_and_input(seed: int = 0, **overrides):
+  """A layer's config, graphdef and parameters (the same for every dispatch mode), and x."""
   cfg = dataclasses.replace(CFG, **overrides)
-  graphdef, params = nnx.split(moe.MoE(cfg, nnx.Rngs(params=seed)))
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: moe.MoE(cfg, nnx.Rngs(params=seed))))
   x = jax.random.normal(jax.random.key(seed + 1), (BATCH, LENGTH, cfg.d_model))
-  return cfg, graphdef, nnx.to_pure_dict(params), x
+  return cfg, graphdef, dict(_layer_params(seed)), x
 
 
 # --- the reference: a plain loop over experts ---------------------------------------------------
@@ -58,17 +71,26 @@ def reference_kept(experts: np.ndarray, n_experts: int, capacity: int | None) ->
   return kept
 
 
-def reference_moe(params, x, cfg, capacity=None):
+def reference_moe(params, x, cfg, kept):
   """Every token through every expert; each expert's output weighted by the router where the
-  token chose it (and it was kept)."""
+  token chose it and the assignment was `kept` (B, L, k)."""
   experts, weights = reference_routing(params, x, cfg.experts_per_token)
-  kept = reference_kept(np.asarray(experts), cfg.n_experts, capacity)
   out = jnp.zeros_like(x)
   for e in range(cfg.n_experts):
     hidden = jax.nn.silu(x @ params["w_gate"][e]) * (x @ params["w_up"][e])
     weight = jnp.sum(jnp.where((experts == e) & kept, weights, 0.0), axis=-1)
     out = out + weight[..., None] * (hidden @ params["w_down"][e])
   return out
+
+
+def reference_value_and_grads(params, x, cfg):
+  """The loop's output and the gradient of `objective` w.r.t. (params, x); the assignments
+  kept come from `reference_kept` with the layer's capacity."""
+  experts, _ = jax.jit(reference_routing, static_argnums=2)(params, x, cfg.experts_per_token)
+  kept = reference_kept(np.asarray(experts), cfg.n_experts, capacity_of(cfg))
+  forward = lambda p, x: reference_moe(p, x, cfg, kept)
+  loss = lambda p, x: objective(forward(p, x))
+  return jax.jit(forward)(params, x), jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
 
 
 def capacity_of(cfg) -> int | None:
@@ -117,11 +139,6 @@ def value_and_grads(graphdef, params, x, ici=None, preset=None):
       return run(params, x)
 
   return jax.jit(sharded)(params, x)
-
-
-def reference_value_and_grads(params, x, cfg):
-  fn = lambda p, x: objective(reference_moe(p, x, cfg, capacity_of(cfg)))
-  return reference_moe(params, x, cfg, capacity_of(cfg)), jax.grad(fn, argnums=(0, 1))(params, x)
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
@@ -196,11 +213,11 @@ def test_capacity_factor_of_experts_over_k_drops_nothing():
 def test_one_ffn_copied_into_every_expert_is_the_dense_ffn(mode):
   overrides = dict(MODES[mode], capacity_factor=CFG.n_experts / CFG.experts_per_token)
   cfg, graphdef, params, x = layer_and_input(**overrides)
-  dense = MLP(cfg, nnx.Rngs(params=7))
+  dense_graphdef, dense = init(lambda: MLP(cfg, nnx.Rngs(params=7)))
   for name in ("w_gate", "w_up", "w_down"):
-    params[name] = jnp.broadcast_to(getattr(dense, name)[...], params[name].shape)
+    params[name] = jnp.broadcast_to(dense[name], params[name].shape)
   out, _, _ = value_and_grads(graphdef, params, x)
-  np.testing.assert_allclose(out, dense(x), **TOLERANCE)
+  np.testing.assert_allclose(out, nnx.merge(dense_graphdef, dense)(x), **TOLERANCE)
 
 
 # --- dropping, empty experts, the router losses ---------------------------------------------------
@@ -234,7 +251,7 @@ def test_capacity_factor_1_keeps_exactly_capacity_when_every_token_picks_expert_
   np.testing.assert_array_equal(np.asarray(slot)[0, :, 0], np.arange(LENGTH))
   # The layer agrees: what it drops is what the loop drops, and it reports it.
   out, stats, _ = value_and_grads(graphdef, params, x)
-  np.testing.assert_allclose(out, reference_moe(params, x, cfg, slots), **TOLERANCE)
+  np.testing.assert_allclose(out, reference_value_and_grads(params, x, cfg)[0], **TOLERANCE)
   kept = reference_kept(np.asarray(routing.experts), cfg.n_experts, slots)
   assert float(stats["dropped_fraction"]) == pytest.approx(1 - kept.mean())
 
@@ -242,26 +259,35 @@ def test_capacity_factor_1_keeps_exactly_capacity_when_every_token_picks_expert_
 def test_load_balance_loss_is_1_when_uniform_and_e_when_collapsed():
   e, tokens = CFG.n_experts, 64
   uniform = jnp.full((tokens, e), 1.0 / e)
-  first = jnp.arange(tokens) % e
-  assert float(moe.load_balance_loss(uniform, first)) == pytest.approx(1.0)
-  # A uniform router that still sends every token to expert 0 first: still 1 (P_e is even).
-  assert float(moe.load_balance_loss(uniform, jnp.zeros(tokens, int))) == pytest.approx(1.0)
+  for k in (1, 2):
+    spread = (jnp.arange(tokens * k) % e).reshape(tokens, k)
+    assert float(moe.load_balance_loss(uniform, spread)) == pytest.approx(1.0)
+    # Uniform probabilities: 1 however the choices fall (the loss sees the router through P).
+    piled = jnp.broadcast_to(jnp.arange(k), (tokens, k))
+    assert float(moe.load_balance_loss(uniform, piled)) == pytest.approx(1.0)
+  # Collapsed: every token to expert 0 with probability 1 (top-1) gives E; with k = 2 the
+  # second choice must go elsewhere, so a router collapsed onto two experts gives E / 2.
   collapsed = jax.nn.one_hot(jnp.zeros(tokens, int), e)
-  assert float(moe.load_balance_loss(collapsed, jnp.zeros(tokens, int))) == pytest.approx(e)
-  # The z-loss of all-zero logits is log(E)^2; it grows with the logits' scale.
+  assert float(moe.load_balance_loss(collapsed, jnp.zeros((tokens, 1), int))) == pytest.approx(e)
+  onto_two = jnp.broadcast_to(jnp.arange(2), (tokens, 2))
+  assert float(moe.load_balance_loss(collapsed, onto_two)) == pytest.approx(e / 2)
+  # The z-loss of all-zero logits is log(E)^2.
   assert float(moe.router_z_loss(jnp.zeros((tokens, e)))) == pytest.approx(np.log(e) ** 2)
 
 
 def test_every_nth_layer_moe_has_dense_layers_between():
   from models import Llama  # pylint: disable=g-import-not-at-top
   cfg = dataclasses.replace(CFG, n_layers=4, moe_every=2)
-  model = Llama(cfg, rngs=nnx.Rngs(params=0))
-  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(params=0))))
+  rng = np.random.default_rng(0)  # any values do for the structure and the forward pass
+  params = jax.tree.map(lambda a: 0.02 * rng.standard_normal(a.shape, np.float32),
+                        nnx.to_pure_dict(abstract))
   blocks = params["layers"]["blocks"]
   assert set(blocks[0]["mlp"]) == {"w_gate", "w_up", "w_down"}              # dense
   assert blocks[1]["mlp"]["w_gate"].shape == (2, 8, 32, 32)               # 2 groups x MoE
   tokens = jnp.zeros((2, 8), jnp.int32)
-  _, aux_loss, metrics = model.logits_and_aux(tokens)
+  forward = jax.jit(lambda p, t: nnx.merge(graphdef, p).logits_and_aux(t))
+  _, aux_loss, metrics = forward(params, tokens)
   assert float(aux_loss) > 0 and set(metrics) >= {"load_balance_loss", "expert_load_min"}
   assert cfg.num_params() == sum(a.size for a in jax.tree.leaves(params))
 
