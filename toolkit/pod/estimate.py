@@ -204,14 +204,17 @@ def communication(shape: Shape) -> tuple[float, float]:
     within = scale * volume * (inside - 1) / inside if inside > 1 else 0.0
     return within, across
 
+  # Expert weights split over the expert axes: a device gathers and reduces only its own.
+  expert_axes = [x for x in shape.rules.params.get("experts", ()) if x in mesh]
+  ep = math.prod(mesh[x] for x in expert_axes)
+  experts = m.n_moe_layers * m.n_experts * 3 * m.d_model * m.mlp_dim
+  held = n - experts + experts / ep          # parameters per fsdp x tensor group
   if f > 1:
-    for volume, scale in ((n / t * a, 2.0 * micro), (n / t * p, 1.0 * micro)):
+    for volume, scale in ((held / t * a, 2.0 * micro), (held / t * p, 1.0 * micro)):
       i, d = split(volume, fsdp_axes, scale)  # all-gathers; the gradient reduce-scatter
       ici, dcn_bytes = ici + i, dcn_bytes + d
-  expert_axes = [x for x in shape.rules.params.get("experts", ()) if x in mesh]
-  experts = (m.n_moe_layers * m.n_experts * 3 * m.d_model * m.mlp_dim if expert_axes else 0)
   for params, axes in ((n - experts, replica_axes),
-                       (experts, [x for x in replica_axes if x not in expert_axes])):
+                       (experts / ep, [x for x in replica_axes if x not in expert_axes])):
     i, d = split(params / (f * t) * p, axes, 2.0 * micro)
     ici, dcn_bytes = ici + i, dcn_bytes + d
   passes = {"full": 3, "save_dots": 2, "none": 2}[m.remat]   # forward, backward, recompute
