@@ -186,8 +186,17 @@ def test_one_device_equals_a_loop_over_experts(mode):
     assert 0.05 < float(stats["dropped_fraction"]) < 0.5
 
 
-@pytest.mark.parametrize("mode", [*MODES, "ragged_all_to_all"])
-@pytest.mark.parametrize("ici, preset", MESHES)
+# The layer alone, every mode on every mesh; the default tier runs each mode on one mesh
+# (dropless on expert:8 and fsdp:2,expert:2,tensor:2 is the full model's test in
+# tests/toolkit/training/test_moe.py), the rest is slow.
+_DEFAULT = {("capacity", "fsdp:2,expert:2,tensor:2"),
+            ("ragged_all_to_all", "fsdp:2,expert:2,tensor:2"), ("dropless", "data:2,expert:4")}
+_SPLIT = [pytest.param(mode, ici, preset,
+                       marks=() if (mode, ici) in _DEFAULT else pytest.mark.slow)
+          for mode in (*MODES, "ragged_all_to_all") for ici, preset in MESHES]
+
+
+@pytest.mark.parametrize("mode, ici, preset", _SPLIT)
 def test_split_over_experts_equals_a_loop_over_experts(mode, ici, preset, request):
   overrides = MODES.get(mode, dict(moe_dispatch="dropless", expert_exchange=mode))
   if mode == "ragged_all_to_all":
@@ -209,7 +218,8 @@ def test_capacity_factor_of_experts_over_k_drops_nothing():
   np.testing.assert_allclose(out, dropless, **TOLERANCE)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [pytest.param("dropless"),
+                                  pytest.param("capacity", marks=pytest.mark.slow)])
 def test_one_ffn_copied_into_every_expert_is_the_dense_ffn(mode):
   overrides = dict(MODES[mode], capacity_factor=CFG.n_experts / CFG.experts_per_token)
   cfg, graphdef, params, x = layer_and_input(**overrides)
@@ -223,7 +233,8 @@ def test_one_ffn_copied_into_every_expert_is_the_dense_ffn(mode):
 # --- dropping, empty experts, the router losses ---------------------------------------------------
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("ici, preset", [(None, None), MESHES[0]])
+@pytest.mark.parametrize("ici, preset", [pytest.param(None, None, marks=pytest.mark.slow),
+                                         MESHES[0]])
 def test_an_expert_without_tokens_gets_exactly_zero_gradient(mode, ici, preset):
   cfg, graphdef, params, x = layer_and_input(**MODES[mode])
   x = x.at[..., 0].set(jnp.abs(x[..., 0]) + 1.0)

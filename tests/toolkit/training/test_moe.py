@@ -40,6 +40,7 @@ class Compiled:
   metrics: dict
   grads: dict
   program: jax.stages.Compiled
+  shapes: list = dataclasses.field(default_factory=list)  # (rows, expert weight) per ragged dot
 
 
 def compile_loss_and_grads(config, params_host, devices=None) -> Compiled:
@@ -68,15 +69,28 @@ def initial_params():
 
 
 @pytest.fixture(scope="module")
-def one_device(initial_params):
-  """mode -> the reference: one device, no mesh axes."""
+def compiled(initial_params):
+  """(mesh, preset, mode) -> Compiled, each compiled once for this module; mesh None is the
+  reference on one device. Records the shapes the per-device expert code saw (`shapes`)."""
   cache = {}
 
-  def get(mode: str) -> Compiled:
-    if mode not in cache:
-      cache[mode] = compile_loss_and_grads(tiny(moe_dispatch=mode), initial_params,
-                                           jax.devices()[:1])
-    return cache[mode]
+  def get(ici: str | None, preset: str = "dp", mode: str = "dropless") -> Compiled:
+    key = (ici, preset, mode)
+    if key not in cache:
+      seen = []
+      grouped = moe.grouped_swiglu
+
+      def recording(rows, group_sizes, *weights):
+        seen.append((rows.shape, weights[0].shape))
+        return grouped(rows, group_sizes, *weights)
+
+      with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moe, "grouped_swiglu", recording)
+        cache[key] = compile_loss_and_grads(
+            tiny(ici or "data:1", preset, moe_dispatch=mode), initial_params,
+            jax.devices()[:1] if ici is None else None)
+      cache[key].shapes = seen
+    return cache[key]
   return get
 
 
@@ -96,15 +110,17 @@ def full_expert_all_gathers(hlo: str, cfg) -> list[str]:
   return found
 
 
-MESHES = [("expert:8", "fsdp_ep", "dropless"), ("data:2,expert:4", "fsdp_ep", "dropless"),
+# The layer alone on every mesh in every mode is tests/models/test_moe.py's (against a loop).
+MESHES = [("expert:8", "fsdp_ep", "dropless"),
+          pytest.param("data:2,expert:4", "fsdp_ep", "dropless", marks=pytest.mark.slow),
           ("fsdp:2,expert:2,tensor:2", "fsdp_tp_ep", "dropless"),
-          ("fsdp:2,expert:2,tensor:2", "fsdp_tp_ep", "capacity")]
+          pytest.param("fsdp:2,expert:2,tensor:2", "fsdp_tp_ep", "capacity",
+                       marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("ici, preset, mode", MESHES)
-def test_split_over_experts_equals_one_device(initial_params, one_device, ici, preset, mode):
-  sharded = compile_loss_and_grads(tiny(ici, preset, moe_dispatch=mode), initial_params)
-  reference = one_device(mode)
+def test_split_over_experts_equals_one_device(compiled, ici, preset, mode):
+  sharded, reference = compiled(ici, preset, mode), compiled(None, mode=mode)
   np.testing.assert_allclose(sharded.loss, reference.loss, **TOLERANCE)
   assert_trees_close(sharded.metrics, reference.metrics, **TOLERANCE)
   assert_trees_close(sharded.grads, reference.grads, **TOLERANCE)
@@ -125,28 +141,22 @@ def test_split_over_experts_equals_one_device(initial_params, one_device, ici, p
   assert not full_expert_all_gathers(sharded.program.as_text(), cfg)
 
 
-def test_expert_axis_alone_really_splits_the_moe_work(initial_params, one_device, monkeypatch):
+def test_expert_axis_alone_really_splits_the_moe_work(compiled):
   """The silent-replication slip: with `expert` the only axis, the experts and their tokens
   must be split 8 ways, not run whole on every device."""
   with pytest.raises(ConfigError, match="does not split the experts"):
     training.build(tiny("expert:8", "fsdp"))             # the slip itself is refused
-  shapes = []
-  grouped = moe.grouped_swiglu
-
-  def recording(rows, group_sizes, *weights):
-    shapes.append((rows.shape, weights[0].shape))
-    return grouped(rows, group_sizes, *weights)
-
-  monkeypatch.setattr(moe, "grouped_swiglu", recording)
-  sharded = compile_loss_and_grads(tiny("expert:8", "fsdp_ep"), initial_params)
+  sharded, reference = compiled("expert:8", "fsdp_ep"), compiled(None)
   cfg, tokens = sharded.setup.spec.model, 16 * 32                 # the tiny batch
   # Inside the per-device code each device runs 1 of the 8 experts (E/8) on the tokens
-  # routed to it, out of all tokens gathered from the 8 devices (the ring's exchange).
-  assert shapes and all(w == (1, cfg.d_model, cfg.mlp_dim) for _, w in shapes)
-  assert all(rows == (tokens * cfg.experts_per_token, cfg.d_model) for rows, _ in shapes)
+  # routed to it, out of all tokens gathered from the 8 devices (the ring's exchange); one
+  # device alone runs all 8 on its own tokens.
+  assert sharded.shapes and all(w == (1, cfg.d_model, cfg.mlp_dim) for _, w in sharded.shapes)
+  assert all(r == (tokens * cfg.experts_per_token, cfg.d_model) for r, _ in sharded.shapes)
+  assert all(w == (8, cfg.d_model, cfg.mlp_dim) for _, w in reference.shapes)
   # And the compiled step does about 1/8 of one device's arithmetic on each device.
   flops = lambda c: c.program.cost_analysis()["flops"]
-  assert flops(sharded) < 0.2 * flops(one_device("dropless"))
+  assert flops(sharded) < 0.2 * flops(reference)
 
 
 @pytest.mark.parametrize("ici, preset, overrides, fragments", [
