@@ -15,9 +15,10 @@ a seed also picks the held-out windows, so the seeds are scored on different tex
 Variants after the colon, comma separated:
   cpu          (default) the CPU demo: `cpu` model, fsdp x tensor mesh (fsdp:-1,tensor:2)
   tiny         the unit-test size: 2 layers, d_model 32, 10 steps
-  size=NAME    model preset: tiny, cpu, 125m, 1b, 7b, 70b; the real sizes (125m and up) also
-               set pod-scale batches (0.5 M to 4 M tokens per step, sequences of 1024 to
-               4096) and take the chip's peak FLOP/s from toolkit/accelerators.py
+  size=NAME    model preset: tiny, cpu, 125m, 1b, 7b, 70b (mixtures of experts: moe.py); the
+               real sizes (125m and up) also set pod-scale batches (0.5 M to 4 M tokens per
+               step, sequences of 1024 to 4096) and take the chip's peak FLOP/s from
+               toolkit/accelerators.py
   rules=NAME   sharding preset: dp, fsdp, tp, fsdp_tp
   data=NAME    stdlib_docs, synthetic, or tokens (shards from scripts/prepare_text.py, read
                through Grain: add --config.data.path=DIR --config.model.vocab_size=384)
@@ -62,12 +63,12 @@ def get_config(arg: str | None = None):
         raise ValueError(f"experiments/lm.py: unknown variant {key!r}; choose from "
                          f"{', '.join(_VARIANTS)} or key=value with keys {', '.join(_KEYS)}")
       if key == "tiny":
-        _set_model(config, "tiny")
+        set_model(config, "tiny")
         config.data.update(seq_len=32, global_batch_size=16, eval_batches=2)
         config.train.update(steps=10, log_every=5, eval_every=10, checkpoint_every=5,
                             sample_tokens=0)
     elif key == "size":
-      _set_model(config, value)
+      set_model(config, value)
     elif key == "rules":
       config.sharding.preset = value
     elif key == "data":
@@ -80,10 +81,13 @@ def get_config(arg: str | None = None):
 
 # Pod-scale batches for the real sizes: (sequence length, global batch in sequences), i.e.
 # 0.5 M tokens per step for 125m, 1 M for 1b and 7b, 4 M for 70b (Llama-style budgets).
-_POD_DATA = {"125m": (1024, 512), "1b": (2048, 512), "7b": (4096, 256), "70b": (4096, 1024)}
+_POD_DATA = {"125m": (1024, 512), "1b": (2048, 512), "7b": (4096, 256), "70b": (4096, 1024),
+             "8x7b": (4096, 256)}
 
 
-def _set_model(config, preset: str) -> None:
+def set_model(config, preset: str) -> None:
+  """The model preset's fields, and for the real sizes a pod-scale batch and the table's peak
+  (experiments/moe.py shares it)."""
   if preset not in MODEL_PRESETS:
     raise ValueError(f"experiments/lm.py: size={preset!r} is unknown; choose from "
                      f"{', '.join(MODEL_PRESETS)}")

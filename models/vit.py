@@ -176,4 +176,4 @@ class ViT(nnx.Module):
     return constrain(logits.astype(jnp.float32), ("batch", "classes"))
 
   def _run_layers(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    return run_layers(self.layers, self.cfg, x, positions)  # the LM's layer loop
+    return run_layers(self.layers, self.cfg, x, positions)[0]  # the LM's layer loop

@@ -23,6 +23,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = "--config=experiments/lm.py:tiny"
+MOE = "--config=experiments/moe.py:tiny"
 PLAN = pathlib.Path(__file__).parent / "fixtures" / "plan.json"  # as toolkit.compile --plan writes
 RUN_TIMEOUT_S = 300  # a tiny run takes ~15 s on 2 shared cores; generous for loaded machines
 MISTAKE_TIMEOUT_S = 120  # mistakes are caught before compiling: ~2-4 s each
@@ -262,6 +263,14 @@ MISTAKES = [
      ["data.source='nosuch'", "choose one of stdlib_docs, synthetic"]),
     ("resume_from_missing", [TINY, "--workdir={W}", "--config.train.resume_from={W}/nosuch"],
      ["train.resume_from=", "is not a directory", "give a workdir"]),
+    ("moe_top_k_above_experts",
+     [MOE, "--workdir={W}", "--config.model.experts_per_token=9"],
+     ["model.experts_per_token=9", "model.n_experts=8", "between 1 and"]),
+    ("moe_experts_not_divisible_by_expert_axis",
+     [MOE, "--workdir={W}", "--config.model.n_experts=6"],
+     ["model.n_experts=6", "expert=4", "use a multiple of 4 experts"]),
+    ("moe_dispatch_unknown", [MOE, "--workdir={W}", "--config.model.moe_dispatch=nosuch"],
+     ["model.moe_dispatch='nosuch'", "'dropless' or 'capacity'"]),
     ("checkpoint_of_another_model", [TINY, "--workdir={W}", "--config.model.d_model=64"],
      ["holds a different model", "model.d_model=32 there, 64 here",
       "use a fresh --workdir or --config.model.d_model=32"]),

@@ -31,7 +31,7 @@ from toolkit.training.state import State
 # Model fields that change parameter shapes or dtypes: a checkpoint restores only if they match.
 SHAPE_FIELDS = ("kind", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                 "mlp_dim", "tie_embeddings", "param_dtype", "image_size", "patch_size",
-                "channels", "num_classes", "pool")
+                "channels", "num_classes", "pool", "n_experts", "moe_every")
 # JSON files of a step (those present are checked): Orbax itself skips a garbled
 # _CHECKPOINT_METADATA or _sharding with a logged error, so the check is ours.
 _JSON_FILES = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/_sharding", "config/metadata",
@@ -288,8 +288,11 @@ def _tree_restore(target, partial: bool = False) -> ocp.args.PyTreeRestore:
 def check_compatible(saved: dict, model_config: Any, where: str) -> None:
   """Refuses a checkpoint whose model differs in a field that changes parameter shapes."""
   current = {"kind": kind_of(model_config), **dataclasses.asdict(model_config)}
-  saved_model = {"kind": "llama", **saved.get("model", {})}  # saved before kinds existed
+  # Saved before kinds, or mixtures of experts, existed: a dense Llama.
+  saved_model = {"kind": "llama", "n_experts": 0, **saved.get("model", {})}
   for field in SHAPE_FIELDS:
+    if field == "moe_every" and not current.get("n_experts"):
+      continue  # a dense model has no MoE layers to place
     if field in saved_model and field in current and saved_model[field] != current[field]:
       raise ConfigError(
           f"checkpoint {where} holds a different model: model.{field}={saved_model[field]!r} "

@@ -144,6 +144,15 @@ RANGES: dict[str, Range] = {
     "model.patch_size": count("patch height and width in pixels"),
     "model.channels": count("image channels"),
     "model.num_classes": count("classes"),
+    # mixture of experts (models/moe.py; the model also checks experts_per_token <= n_experts
+    # and that moe_every divides n_layers)
+    "model.n_experts": count("experts in a mixture-of-experts layer; 0 is a dense model", low=0),
+    "model.experts_per_token": count("experts the router picks for each token"),
+    "model.moe_every": count("every n-th layer is a mixture of experts"),
+    "model.capacity_factor": positive("slots per expert as a multiple of its even share "
+                                      "(capacity dispatch)"),
+    "model.load_balance_weight": Range(0.0, meaning="weight of the router's load-balancing loss"),
+    "model.router_z_weight": Range(0.0, meaning="weight of the router's z-loss"),
     # sharding
     "sharding.max_replicated_fraction": fraction("share of parameter bytes that may be "
                                                  "replicated before the run warns or fails"),
@@ -266,9 +275,10 @@ def resolve(config: ml_collections.ConfigDict,
   if d.source == "stdlib_docs" and model.vocab_size < 256:
     raise ConfigError(f"model.vocab_size={model.vocab_size} is below 256, the byte-level "
                       f"vocabulary of data.source='stdlib_docs'; set model.vocab_size>=256")
-  batch_spec = rules.activation_spec(("batch",), mesh)
-  batch_axes = [a for e in batch_spec if e for a in ((e,) if isinstance(e, str) else e)]
+  batch_axes = _mesh_axes(rules.activation_spec(("batch",), mesh))
   batch_ways = math.prod(mesh.shape[a] for a in batch_axes)
+  if getattr(model, "n_experts", 0):
+    _check_experts(model, mesh, rules, s.preset)
   t = config.train
   if d.global_batch_size % t.microbatches:
     raise ConfigError(
@@ -317,4 +327,39 @@ def model_config(section: ml_collections.ConfigDict):
   except ValueError as e:
     raise ConfigError(str(e)) from None
   return model
+
+
+def _mesh_axes(spec) -> list[str]:
+  """The mesh axes of a one-dimensional PartitionSpec, in order."""
+  return [a for e in spec if e for a in ((e,) if isinstance(e, str) else e)]
+
+
+def _check_experts(model, mesh: Mesh, rules: sharding.Rules, preset: str) -> None:
+  """Mixture-of-experts layouts that would fail, or quietly give up the expert axis."""
+  placed = {role: _mesh_axes(spec(("experts",), mesh)) for role, spec in
+            (("parameters", rules.param_spec), ("activations", rules.activation_spec))}
+  split = "x".join(f"{a}={mesh.shape[a]}" for a in placed["activations"])
+  ways = math.prod(mesh.shape[a] for a in placed["activations"])
+  if model.n_experts % ways:
+    raise ConfigError(f"model.n_experts={model.n_experts} is not divisible by the mesh axes the "
+                      f"experts are split over ({split}, {ways} ways); use a multiple of {ways} "
+                      f"experts or a smaller expert axis in mesh.ici")
+  if mesh.shape.get("expert", 1) > 1 and not all("expert" in axes for axes in placed.values()):
+    unplaced = [role for role, axes in placed.items() if "expert" not in axes]
+    raise ConfigError(
+        f"mesh has expert={mesh.shape['expert']} but sharding.preset={preset!r} does not split "
+        f"the experts' {' and '.join(unplaced)} over it, so every device would hold and run "
+        f"every expert; use sharding.preset=fsdp_ep or fsdp_tp_ep, or map experts=expert in "
+        f"sharding.param_overrides and sharding.activation_overrides")
+  token_axes = _mesh_axes(rules.activation_spec(("batch", "length"), mesh))
+  shared = [a for a in placed["activations"] if a in token_axes]
+  if shared and len(shared) < len(placed["activations"]):
+    raise ConfigError(f"the experts are split over {split} but the batch only over "
+                      f"{'+'.join(shared)} of those axes; split the batch over all of them or "
+                      f"none (sharding.activation_overrides)")
+  if (model.moe_dispatch == "dropless" and model.expert_exchange == "ragged_all_to_all"
+      and shared and mesh.devices.flat[0].platform == "cpu"):
+    raise ConfigError("model.expert_exchange='ragged_all_to_all' does not run on XLA:CPU (jax "
+                      "0.10); use model.expert_exchange=ring on CPU, or compile for a TPU with "
+                      "python -m toolkit.compile")
 

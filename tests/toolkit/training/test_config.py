@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from experiments import lm, vit
+from experiments import lm, moe, vit
 from toolkit.errors import ConfigError
 from toolkit.training import config as config_lib
 
@@ -18,6 +18,8 @@ CONFIGS = {
                    "data=synthetic", "data=tokens")},
     **{f"vit:{arg}": (lambda arg=arg: vit.get_config(arg))
        for arg in ("cpu", "tiny", "b16", "data=npz")},
+    **{f"moe:{arg}": (lambda arg=arg: moe.get_config(arg))
+       for arg in ("cpu", "tiny", "size=8x7b", "dispatch=capacity", "every=2")},
 }
 
 

@@ -39,10 +39,10 @@ def test_loss_and_grads_microbatched_matches_full_batch():
   from toolkit.training import state as state_lib  # pylint: disable=g-import-not-at-top
   state = state_lib.create(setup.spec.model, setup.optimizer, setup.layout, 0)
   batch = setup.batches.batch(0)
-  loss_fn = lambda p, b: step_lib.cross_entropy_loss(setup.layout.graphdef, p, b)
+  loss_fn = lambda p, b: step_lib.lm_loss(setup.layout.graphdef, p, b)
   full = jax.jit(lambda p, b: step_lib.loss_and_grads(loss_fn, p, b, 1))(state["params"], batch)
   split = jax.jit(lambda p, b: step_lib.loss_and_grads(loss_fn, p, b, 4))(state["params"], batch)
-  np.testing.assert_allclose(split[0], full[0], **TOLERANCE)
+  np.testing.assert_allclose(split[0][0], full[0][0], **TOLERANCE)
   assert_trees_close(jax.device_get(split[1]), jax.device_get(full[1]), **TOLERANCE)
 
 

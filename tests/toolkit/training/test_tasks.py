@@ -31,7 +31,9 @@ def test_smoothed_loss_matches_float64(smoothing):
   batch = {"images": jax.random.uniform(jax.random.key(2), (16, 8, 8, 1)),
            "labels": jax.random.randint(jax.random.key(3), (16,), 0, cfg.num_classes)}
   task = tasks.for_run("classification", smoothing)
-  loss = float(task.loss(graphdef, params, batch))
+  loss, metrics = task.loss(graphdef, params, batch)
+  loss = float(loss)
+  assert metrics == {}
   logits = np.asarray(model(batch["images"]))
   assert loss == pytest.approx(_reference_loss(logits, np.asarray(batch["labels"]), smoothing),
                                rel=1e-5)
@@ -42,8 +44,8 @@ def test_smoothed_loss_matches_float64(smoothing):
 
 
 @pytest.mark.parametrize("experiment,value,message", [
-    (vit, 1.0, r"train.label_smoothing=1.0 must be in \[0, 1\)"),
-    (vit, -0.1, r"train.label_smoothing=-0.1 must be in \[0, 1\)"),
+    (vit, 1.0, r"train.label_smoothing=1.0 must be a finite number in \[0, 1\)"),
+    (vit, -0.1, r"train.label_smoothing=-0.1 must be a finite number in \[0, 1\)"),
     (lm, 0.1, r"train.label_smoothing=0.1 applies to classifiers \(model.kind='vit'\); set it "
               r"to 0 for model.kind='llama'"),
 ])
