@@ -17,6 +17,7 @@ import time
 import jax
 import ml_collections
 
+from toolkit.data import text
 from toolkit.errors import ConfigError
 from toolkit.inference import engine as engine_lib
 from toolkit.inference.codec import BYTES, Codec
