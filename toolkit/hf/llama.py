@@ -52,12 +52,14 @@ def _rope(hf: dict, where: str) -> dict:
              for key, name in _LLAMA3_FIELDS.items()}}
 
 
-def model_config(hf: dict, base: LlamaConfig, where: str = "config.json") -> LlamaConfig:
+def model_config(hf: dict, base: LlamaConfig, where: str = "config.json",
+                 model_type: str = MODEL_TYPE) -> LlamaConfig:
   """meshkit's config for a Llama config.json. Fields Hugging Face does not describe (compute
   dtype, remat, scan, parameter dtype) come from `base`. Refuses, naming the field, what the
-  model cannot compute: biases, another activation, an unsupported RoPE scaling."""
-  if hf.get("model_type", MODEL_TYPE) != MODEL_TYPE:
-    raise ConfigError(f"{where}: model_type={hf.get('model_type')!r} is not {MODEL_TYPE!r}")
+  model cannot compute: biases, another activation, an unsupported RoPE scaling. `model_type`:
+  what config.json must say (Mixtral's reads its attention and sizes through here)."""
+  if hf.get("model_type", model_type) != model_type:
+    raise ConfigError(f"{where}: model_type={hf.get('model_type')!r} is not {model_type!r}")
   act = hf.get("hidden_act", "silu")
   if act not in ("silu", "swish"):
     raise ConfigError(f"{where}: hidden_act={act!r}; meshkit's Llama MLP is SwiGLU (silu)")
