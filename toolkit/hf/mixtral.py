@@ -33,15 +33,9 @@ def model_config(hf: dict, base: LlamaConfig, where: str = "config.json") -> Lla
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ConfigError(f"{where}: {key}={value!r}; a Mixtral config.json needs a positive "
                         f"integer {key}")
-  cfg = llama.model_config(hf, base, where, model_type=MODEL_TYPE)
-  cfg = dataclasses.replace(
-      cfg, n_experts=experts, experts_per_token=per_token, moe_every=1,
-      load_balance_weight=float(hf.get("router_aux_loss_coef", 0.001)) * per_token)
-  try:
-    cfg.validate("model")
-  except ValueError as e:
-    raise ConfigError(f"{where}: {e}") from None
-  return cfg
+  return llama.model_config(
+      hf, base, where, model_type=MODEL_TYPE, n_experts=experts, experts_per_token=per_token,
+      moe_every=1, load_balance_weight=float(hf.get("router_aux_loss_coef", 0.001)) * per_token)
 
 
 def hf_config(cfg: LlamaConfig) -> dict:
