@@ -271,9 +271,13 @@ class Checkpoints:
 
 def _host_snapshot(state: State) -> State:
   """`state` copied into pinned host memory with the same shardings, once the copy is made;
-  `state` itself where the devices have no such memory."""
+  `state` itself where the devices have no such memory, or with several processes."""
   device = next(iter(jax.tree.leaves(state)[0].sharding.device_set))
   if "pinned_host" not in {memory.kind for memory in device.addressable_memories()}:
+    return state
+  if jax.process_count() > 1:
+    # Untested with several processes: a 4-process run stalled after its first save this way
+    # (tests/toolkit/pod/test_multiprocess.py); there Orbax copies, in the loop, as before.
     return state
   snapshot = jax.device_put(state, jax.tree.map(
       lambda x: x.sharding.with_memory_kind("pinned_host"), state))
