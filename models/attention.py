@@ -253,7 +253,7 @@ def splash(q, k, v, causal: bool):
   if splash_block(q.shape[1], k.shape[1]) is None:
     raise ValueError(f"splash attention needs lengths that are multiples of 128, not "
                      f"{q.shape[1]} queries / {k.shape[1]} keys; use model.attention='auto'")
-  if sharding.logical_ways("heads") != sharding.logical_ways("kv_heads"):
+  if sharding.active_ways("heads") != sharding.active_ways("kv_heads"):
     # Heads and kv_heads split differently: local query heads would not line up with their
     # key/value heads, so give every query head its own copy.
     group = q.shape[2] // k.shape[2]
@@ -263,8 +263,10 @@ def splash(q, k, v, causal: bool):
     kv_axes = ("batch", None, "kv_heads", None)
   q_axes = ("batch", None, "heads", None)
   local = functools.partial(_splash_local, causal=causal, interpret=platform() != "tpu")
-  return sharding.logical_shard_map(local, in_axes=(q_axes, kv_axes, kv_axes),
-                                    out_axes=q_axes)(q, k, v)
+  # check_vma=False: pallas_call refuses shard_map's varying-axes check (its outputs would need
+  # a manual_axis_type, which the splash kernel does not set).
+  return sharding.shard_map(local, in_axes=(q_axes, kv_axes, kv_axes), out_axes=q_axes,
+                            check_vma=False)(q, k, v)
 
 
 # --- selection --------------------------------------------------------------------------------

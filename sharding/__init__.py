@@ -9,10 +9,10 @@ from sharding.errors import ShardingError
 from sharding.mesh import MESH_AXES, make_mesh, parse_axis_sizes
 from sharding.rules import PRESETS, Rules, activation_rules, constrain
 from sharding.report import ShardingReport, sharding_report
-from sharding.shard_map import active_mesh, logical_shard_map, logical_ways, mesh_axes
+from sharding.per_device import active_axes, active_mesh, active_ways, shard_map
 
 __all__ = [
     "LOGICAL_AXES", "MESH_AXES", "PRESETS", "Rules", "ShardingError", "ShardingReport",
-    "activation_rules", "active_mesh", "constrain", "logical_shard_map", "logical_ways",
-    "make_mesh", "mesh_axes", "parse_axis_sizes", "sharding_report",
+    "activation_rules", "active_axes", "active_mesh", "active_ways", "constrain", "make_mesh",
+    "parse_axis_sizes", "shard_map", "sharding_report",
 ]

@@ -51,7 +51,7 @@ def _plan(config, target, flag_values: dict, budget_s: float) -> None:
   nothing fits."""
   from toolkit.pod import planner  # pylint: disable=g-import-not-at-top
   from models import attention  # pylint: disable=g-import-not-at-top
-  from models.llama import REMAT_POLICIES  # pylint: disable=g-import-not-at-top
+  from models.stack import REMAT_POLICIES  # pylint: disable=g-import-not-at-top
   chunks = flag_values["plan_loss_chunk"]
   outcome = planner.search(
       config, target, budget_s=budget_s, workers=flag_values["plan_workers"],
@@ -99,7 +99,9 @@ def cli() -> None:
   flags.DEFINE_string("plan_out", "plan.json", "Where --plan writes the plan.")
   flags.DEFINE_integer("plan_workers", 0, "Parallel compile processes for --plan; 0 picks "
                        "from CPU cores and free memory.")
-  flags.DEFINE_list("plan_presets", "dp,fsdp,tp,fsdp_tp", "Rules presets --plan tries.")
+  flags.DEFINE_list("plan_presets", "dp,fsdp,tp,fsdp_tp,fsdp_ep,fsdp_tp_ep", "Rules presets "
+                    "--plan tries (the *_ep ones on meshes with an expert axis, for mixtures "
+                    "of experts).")
   flags.DEFINE_list("plan_remat", "none,save_dots,minimal,save_attention,full",
                     "Remat policies --plan tries.")
   flags.DEFINE_list("plan_microbatches", "1,2,4,8,16,32,64", "Micro-batch counts --plan "

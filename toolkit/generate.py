@@ -66,6 +66,7 @@ def cli() -> None:
   def main(argv) -> None:
     del argv
     command_line.quiet_logging()
+    command_line.check_platform()
     try:
       defaults = sampling_defaults(**{k: f.value for k, f in sampling_flags.items()})
       records = offline.run(config_flag.value, checkpoint_flag.value, prompt=prompt_flag.value,

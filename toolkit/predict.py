@@ -31,6 +31,7 @@ def cli() -> None:
   def main(argv) -> None:
     del argv
     command_line.quiet_logging()
+    command_line.check_platform()
     try:
       classify.run(config_flag.value, checkpoint_flag.value, inputs_flag.value, output_flag.value,
           batch_flag.value, top_k_flag.value)

@@ -24,6 +24,7 @@ def cli() -> None:
   def main(argv):
     del argv
     command_line.quiet_logging()
+    command_line.check_platform()
     try:
       print(text.sample_from_checkpoint(workdir.value, prompt.value, tokens.value,
                                         temperature.value, seed.value, tokenizer.value))

@@ -48,6 +48,7 @@ def cli() -> None:
   def main(argv) -> None:
     del argv
     command_line.quiet_logging()
+    command_line.check_platform()
     try:
       defaults = requests.sampling_defaults(**{k: f.value for k, f in sampling_flags.items()})
       params, model_cfg, mesh, rules, step = restore.restore_params(config_flag.value,

@@ -35,6 +35,7 @@ def cli() -> None:
   def main(argv) -> None:
     del argv
     command_line.quiet_logging()
+    command_line.check_platform()
     try:
       runner.run(config_flag.value, workdir_flag.value, mode_flag.value, concurrent_flag.value)
     except (ConfigError, sharding.ShardingError) as e:

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from toolkit import accelerators
+from toolkit.pod import target
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
@@ -213,6 +214,9 @@ def test_ahead_of_time_compile_arguments():
 def test_libtpu_accepts_the_compile_arguments(name):
   pytest.importorskip("libtpu")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  # Without it the first libtpu load in a process takes /tmp/libtpu_lockfile, and fails while
+  # another process (a second test run on the same machine) holds it.
+  target.prepare_libtpu_environment()
   t = accelerators.accelerator(name)
   assert len(topologies.get_topology_desc(**t.topology_desc_kwargs()).devices) == t.chips
 

@@ -2,7 +2,8 @@
 never hold the full (tokens, vocab) float32 logits or their gradient.
 
   next_token_loss(model, inputs, targets) -> (mean cross-entropy, mean logsumexp^2)
-  next_token_objective(model, inputs, targets) -> cross-entropy + model.cfg.z_loss x the other
+  next_token_objective(model, inputs, targets) -> (cross-entropy + model.cfg.z_loss x the
+      other + the model's auxiliary loss (a mixture of experts' router losses), its metrics)
 
 both float32 nats. With `model.cfg.loss_chunk` > 0 the final features (batch, length, embed)
 are split into chunks of positions holding about `loss_chunk` tokens per device ((rows per
@@ -143,7 +144,7 @@ chunked_objective.defvjp(_objective_fwd, _objective_bwd)
 
 
 def _chunk_of(model, targets) -> int:
-  rows = targets.shape[0] // sharding.logical_ways("batch")
+  rows = targets.shape[0] // sharding.active_ways("batch")
   return chunk_positions(model.cfg.loss_chunk, rows, targets.shape[1])
 
 
@@ -157,12 +158,19 @@ def next_token_loss(model, inputs: jax.Array, targets: jax.Array) -> tuple[jax.A
                         _chunk_of(model, targets))
 
 
-def next_token_objective(model, inputs: jax.Array, targets: jax.Array) -> jax.Array:
-  """What an LM trains on: mean cross-entropy + model.cfg.z_loss x mean logsumexp^2."""
+def next_token_objective(model, inputs: jax.Array,
+                         targets: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """What an LM trains on, and the model's metrics: mean cross-entropy + model.cfg.z_loss x
+  mean logsumexp^2 + the model's auxiliary loss (a mixture of experts' weighted router losses,
+  `Llama.features_and_aux`; 0 for a dense model)."""
   z_loss = float(model.cfg.z_loss)
   if not model.cfg.loss_chunk:
-    ce, z = full_logits_loss(model(inputs), targets)
-    return ce + z_loss * z if z_loss else ce
-  matrix, letters = model.unembedding()
-  return chunked_objective(model.features(inputs), matrix, targets, letters,
-                           _chunk_of(model, targets), z_loss)
+    logits, aux_loss, metrics = model.logits_and_aux(inputs)
+    ce, z = full_logits_loss(logits, targets)
+    objective = ce + z_loss * z if z_loss else ce
+  else:
+    features, aux_loss, metrics = model.features_and_aux(inputs)
+    matrix, letters = model.unembedding()
+    objective = chunked_objective(features, matrix, targets, letters,
+                                  _chunk_of(model, targets), z_loss)
+  return objective + aux_loss, metrics

@@ -31,7 +31,7 @@ def _objective_and_grads(model, inputs, targets):
 
   @jax.jit
   def run(params):
-    fn = lambda p: losses.next_token_objective(nnx.merge(graphdef, p), inputs, targets)
+    fn = lambda p: losses.next_token_objective(nnx.merge(graphdef, p), inputs, targets)[0]
     return jax.value_and_grad(fn)(params)
 
   return run(params)
@@ -84,8 +84,8 @@ def test_sharded_chunked_equals_unsharded_full():
   @jax.jit
   def run(params, inputs, targets):
     with sharding.activation_rules(rules, mesh):
-      assert losses.chunk_positions(4, 8 // sharding.logical_ways("batch"), 16) == 2
-      fn = lambda p: losses.next_token_objective(nnx.merge(graphdef, p), inputs, targets)
+      assert losses.chunk_positions(4, 8 // sharding.active_ways("batch"), 16) == 2
+      fn = lambda p: losses.next_token_objective(nnx.merge(graphdef, p), inputs, targets)[0]
       return jax.value_and_grad(fn)(params)
 
   sharded = run(params, jax.device_put(inputs, rows), jax.device_put(targets, rows))

@@ -1,4 +1,5 @@
-"""`sharding.logical_shard_map` and the queries beside it: per-device code under logical axes."""
+"""`sharding.shard_map` and the queries beside it (sharding/per_device.py): per-device code
+under logical axes."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,11 +25,11 @@ def test_without_rules_the_function_runs_directly():
     seen.append(x.shape)
     return x * 2
 
-  out = sharding.logical_shard_map(fn, in_axes=(("batch", "heads"),),
-                                   out_axes=("batch", "heads"))(jnp.ones((8, 4)))
+  out = sharding.shard_map(fn, in_axes=(("batch", "heads"),),
+                           out_axes=("batch", "heads"))(jnp.ones((8, 4)))
   assert seen == [(8, 4)] and float(out.sum()) == 64
-  assert sharding.active_mesh() is None and sharding.mesh_axes("batch") == ()
-  assert sharding.logical_ways("batch") == 1
+  assert sharding.active_mesh() is None and sharding.active_axes("batch") == ()
+  assert sharding.active_ways("batch") == 1
 
 
 def test_under_rules_each_device_sees_its_block(mesh):
@@ -46,11 +47,11 @@ def test_under_rules_each_device_sees_its_block(mesh):
   @jax.jit
   def run(x, y):
     with sharding.activation_rules(RULES, mesh):
-      assert sharding.mesh_axes("batch") == ("fsdp",)
-      assert sharding.mesh_axes("heads") == ("tensor",)
-      assert sharding.logical_ways("batch") == 4 and sharding.logical_ways("embed") == 1
+      assert sharding.active_axes("batch") == ("fsdp",)
+      assert sharding.active_axes("heads") == ("tensor",)
+      assert sharding.active_ways("batch") == 4 and sharding.active_ways("embed") == 1
       assert sharding.active_mesh() is mesh
-      return sharding.logical_shard_map(
+      return sharding.shard_map(
           per_device, in_axes=(("batch", "heads"), ("batch",)),
           out_axes=(("batch", "heads"), ("batch",)))(x, y)
 
@@ -66,8 +67,8 @@ def test_indivisible_dimensions_name_the_axis(mesh):
   @jax.jit
   def run(x):
     with sharding.activation_rules(RULES, mesh):
-      return sharding.logical_shard_map(lambda a: a, in_axes=(("batch", None),),
-                                        out_axes=("batch", None))(x)
+      return sharding.shard_map(lambda a: a, in_axes=(("batch", None),),
+                                out_axes=("batch", None))(x)
 
   with pytest.raises(ShardingError, match=r"dimension 0 \(batch\) has size 6, not divisible"):
     run(jnp.ones((6, 2)))
@@ -80,7 +81,7 @@ def test_inputs_are_resharded_to_the_blocks(mesh):
   @jax.jit
   def run(x):
     with sharding.activation_rules(RULES, mesh):
-      return sharding.logical_shard_map(lambda a: a * jnp.float32(a.shape[0]),
-                                        in_axes=(("batch", None),), out_axes=("batch", None))(x)
+      return sharding.shard_map(lambda a: a * jnp.float32(a.shape[0]),
+                                in_axes=(("batch", None),), out_axes=("batch", None))(x)
 
   np.testing.assert_array_equal(run(x), np.arange(16.0).reshape(8, 2) * 2)
