@@ -13,7 +13,8 @@ from jax.sharding import NamedSharding
 import sharding
 from models import Llama, LlamaConfig
 from models import attention
-from tests.tiny_runs import TOLERANCE, tiny_config, train_steps
+from tests.tiny_runs import TOLERANCE, assert_trees_close, tiny_config, train_steps
+from toolkit.training import step as step_lib
 
 
 def _inputs(batch, q_length, kv_length, heads, kv_heads, head_dim, seed=0):
@@ -99,6 +100,23 @@ def test_splash_in_interpret_mode_equals_xla(causal):
   _assert_same(actual, expected)
 
 
+def test_blockwise_model_loss_and_gradients_equal_xla(monkeypatch):
+  """The tiny LM's training loss and its gradient with respect to every parameter: one step's
+  worth of what the 10-step test below trains on (the default suite's short variant)."""
+  monkeypatch.setattr(attention, "BLOCK", 8)  # sequences of 32: four blocks
+  tokens = jax.random.randint(jax.random.key(3), (4, 33), 0, 256)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  runs = {}
+  for implementation in ("xla", "blockwise"):
+    cfg = LlamaConfig.preset("tiny", init_std=0.2, attention=implementation)
+    graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(params=0)))
+    loss = lambda p, graphdef=graphdef: step_lib.lm_loss(graphdef, p, batch)[0]
+    runs[implementation] = jax.jit(jax.value_and_grad(loss))(params)
+  np.testing.assert_allclose(runs["blockwise"][0], runs["xla"][0], **TOLERANCE)
+  assert_trees_close(runs["blockwise"][1], runs["xla"][1], **TOLERANCE)
+
+
+@pytest.mark.slow  # ~76 s on 2 busy cores; the test above is its short variant
 def test_blockwise_training_equals_xla_over_10_steps(monkeypatch):
   """The tiny LM on fsdp 4 x tensor 2: 10 steps of losses and the final parameters."""
   monkeypatch.setattr(attention, "BLOCK", 8)  # sequences of 32: four blocks
