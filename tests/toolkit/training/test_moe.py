@@ -159,6 +159,25 @@ def test_expert_axis_alone_really_splits_the_moe_work(compiled):
   assert flops(sharded) < 0.2 * flops(reference)
 
 
+def test_chunked_vocabulary_loss_adds_the_router_losses(initial_params):
+  """The MoE trains on the chunked vocabulary loss (toolkit.training.losses) plus its router
+  losses: in chunks of 2 positions, on one device and split over expert:8, the loss, router
+  metrics and gradients equal those over full logits on one device, and the loss is the
+  cross-entropy plus the weighted router losses."""
+  full = compile_loss_and_grads(tiny(loss_chunk=0), initial_params, jax.devices()[:1])
+  for ici, preset, rows in (("data:1", "dp", 16), ("expert:8", "fsdp_ep", 2)):
+    chunked = compile_loss_and_grads(tiny(ici, preset, loss_chunk=2 * rows), initial_params,
+                                     jax.devices()[:1] if ici == "data:1" else None)
+    np.testing.assert_allclose(chunked.loss, full.loss, **TOLERANCE)
+    assert_trees_close(chunked.metrics, full.metrics, **TOLERANCE)
+    assert_trees_close(chunked.grads, full.grads, **TOLERANCE)
+  graphdef = full.setup.layout.graphdef
+  cross_entropy = jax.jit(lambda p, b: step_lib.cross_entropy_loss(graphdef, p, b))(
+      full.params, full.setup.batches.batch(0))
+  assert full.metrics["aux_loss"] > 0.009   # 0.01 x a load-balance loss near 1
+  np.testing.assert_allclose(full.loss, cross_entropy + full.metrics["aux_loss"], **TOLERANCE)
+
+
 @pytest.mark.parametrize("ici, preset, overrides, fragments", [
     ("fsdp:2,expert:4", "fsdp_ep", dict(n_experts=6),
      ["model.n_experts=6", "expert=4", "use a multiple of 4 experts"]),
