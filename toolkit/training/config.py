@@ -144,6 +144,10 @@ RANGES: dict[str, Range] = {
     "model.patch_size": count("patch height and width in pixels"),
     "model.channels": count("image channels"),
     "model.num_classes": count("classes"),
+    # the vocabulary loss (toolkit/training/losses.py)
+    "model.loss_chunk": count("tokens per device whose logits the loss holds at once; 0 is "
+                              "one pass over full logits", low=0),
+    "model.z_loss": Range(0.0, meaning="weight of mean(logsumexp^2) added to the LM's loss"),
     # mixture of experts (models/moe.py; the model also checks experts_per_token <= n_experts
     # and that moe_every divides n_layers)
     "model.n_experts": count("experts in a mixture-of-experts layer; 0 is a dense model", low=0),
