@@ -16,6 +16,7 @@ import logging as std_logging
 
 import ml_collections
 
+from toolkit import runtime
 from toolkit.errors import ConfigError
 
 
@@ -229,3 +230,13 @@ def quiet_logging() -> None:
     logging.set_verbosity(logging.WARNING)
     # tensorboardX warns per NaN scalar; the loop's own non-finite check says it in one line.
     std_logging.getLogger("tensorboardX").setLevel(std_logging.ERROR)
+
+
+def define_runtime_flags():
+  """The flag every command that runs JAX shares: where its compiled programs are cached."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  return flags.DEFINE_string(
+      "compilation_cache", runtime.default_cache_dir(),
+      "Folder of JAX's persistent compilation cache: a restart loads the compiled step from it "
+      "instead of compiling again. --compilation_cache=off turns it off.")
+

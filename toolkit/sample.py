@@ -11,7 +11,7 @@ from toolkit.inference import text
 def cli() -> None:
   """`python -m toolkit.sample --workdir=DIR --prompt="The "`: flags live here only."""
   from absl import app, flags  # pylint: disable=g-import-not-at-top
-  from toolkit import command_line  # pylint: disable=g-import-not-at-top
+  from toolkit import command_line, runtime  # pylint: disable=g-import-not-at-top
   workdir = flags.DEFINE_string("workdir", None, "Required. Workdir of a training run.")
   prompt = flags.DEFINE_string("prompt", "The ", "Text to continue.")
   tokens = flags.DEFINE_integer("tokens", 200, "Tokens to generate (fewer when the model "
@@ -20,10 +20,12 @@ def cli() -> None:
                                    lower_bound=0.0)
   seed = flags.DEFINE_integer("seed", 0, "Sampling seed.")
   tokenizer = define_tokenizer_flag()
+  cache_flag = command_line.define_runtime_flags()
 
   def main(argv):
     del argv
     command_line.quiet_logging()
+    runtime.start(cache_flag.value)  # one device: nothing to simulate
     try:
       print(text.sample_from_checkpoint(workdir.value, prompt.value, tokens.value,
                                         temperature.value, seed.value, tokenizer.value))

@@ -17,7 +17,7 @@ def cli() -> None:
   from absl import app, flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   import sharding  # pylint: disable=g-import-not-at-top
-  from toolkit import command_line, generate  # pylint: disable=g-import-not-at-top
+  from toolkit import command_line, generate, runtime  # pylint: disable=g-import-not-at-top
   from toolkit.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from toolkit.inference import engine as engine_lib  # pylint: disable=g-import-not-at-top
   from toolkit.inference import offline, requests, restore  # pylint: disable=g-import-not-at-top
@@ -44,10 +44,12 @@ def cli() -> None:
                                     "504.", lower_bound=1.0)
   sampling_flags = generate.define_sampling_flags()
   tokenizer_flag = generate.define_tokenizer_flag()
+  cache_dir_flag = command_line.define_runtime_flags()
 
   def main(argv) -> None:
     del argv
     command_line.quiet_logging()
+    runtime.start(cache_dir_flag.value, mesh=config_flag.value.mesh)
     try:
       defaults = requests.sampling_defaults(**{k: f.value for k, f in sampling_flags.items()})
       params, model_cfg, mesh, rules, step = restore.restore_params(config_flag.value,

@@ -10,7 +10,7 @@ import os
 import sys
 
 import sharding
-from toolkit import command_line
+from toolkit import command_line, runtime
 from toolkit.errors import ConfigError
 from toolkit.tuning import runner
 
@@ -31,10 +31,13 @@ def cli() -> None:
   concurrent_flag = flags.DEFINE_integer(
       "max_concurrent", 0, "Trials at a time: the population size, or runs at once in process "
       "mode (0: all trials / as many as the devices allow).", lower_bound=0)
+  cache_flag = command_line.define_runtime_flags()
 
   def main(argv) -> None:
     del argv
     command_line.quiet_logging()
+    runtime.start(cache_flag.value, cpu_devices=(
+        runtime.DEFAULT_CPU_DEVICES, "the sweep's trials"))
     try:
       runner.run(config_flag.value, workdir_flag.value, mode_flag.value, concurrent_flag.value)
     except (ConfigError, sharding.ShardingError) as e:

@@ -85,8 +85,7 @@ def resolve(config: ml_collections.ConfigDict,
       raise ConfigError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}; "
                         f"remove it from the experiment's get_config or fix its name")
   model = model_config(config.model)
-  mesh = sharding.make_mesh(sharding.parse_axis_sizes(config.mesh.ici, "mesh.ici"),
-                            sharding.parse_axis_sizes(config.mesh.dcn, "mesh.dcn"), devices)
+  mesh = _mesh(config.mesh, devices)
   s = config.sharding
   rules = sharding.Rules.preset(s.preset, s.param_overrides, s.activation_overrides)
   if s.replicated_action not in ("warn", "fail"):
@@ -152,6 +151,22 @@ def resolve(config: ml_collections.ConfigDict,
     raise ConfigError(f"train.peak_flops_per_device={t.peak_flops_per_device} must be >= 0; "
                       f"0 looks the peak up from the device kind")
   return RunSpec(model=model, mesh=mesh, rules=rules, batch_ways=batch_ways, task=task)
+
+
+def _mesh(section: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None) -> Mesh:
+  """The config's mesh; on CPU devices a mismatch also names the two ways out."""
+  try:
+    return sharding.make_mesh(sharding.parse_axis_sizes(section.ici, "mesh.ici"),
+                              sharding.parse_axis_sizes(section.dcn, "mesh.dcn"), devices)
+  except sharding.ShardingError as e:
+    found = list(jax.devices() if devices is None else devices)
+    if "devices" not in str(e) or found[0].platform != "cpu":
+      raise
+    raise sharding.ShardingError(
+        f"{e}. On a CPU either simulate devices before JAX starts "
+        f"(XLA_FLAGS=--xla_force_host_platform_device_count=8; the toolkit commands do it from "
+        f"the mesh, toolkit.runtime.simulate_cpu_devices in Python) or fit the mesh to the "
+        f"{len(found)} device(s) there are: --config.mesh.ici=fsdp:-1") from None
 
 
 def model_config(section: ml_collections.ConfigDict):
