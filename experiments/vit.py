@@ -9,10 +9,10 @@ download; 360 held out, never augmented), a 0.17 M-parameter ViT, 8 simulated de
 Expected result: held-out accuracy >= 97% (98.3% measured) in under 5 minutes on 2 CPU cores,
 runs/vit_digits/confusion.png and loss.png.
 
-ViT-B/16 on ImageNet shapes (224x224x3, 1000 classes, 86 M parameters), for ahead-of-time
-compiles of a pod-sized run; its data is synthetic unless a path is given:
-
-  python -m toolkit.compile --config=experiments/vit.py:b16 --topology=v5p-128
+ViT-B/16 on ImageNet shapes (224x224x3, 1000 classes, 86 M parameters), for a pod-sized run;
+its data is synthetic unless a path is given. `toolkit.compile` reports on the Llama LM only
+so far (its estimates are the LM's); tests/models/test_vit.py compiles this variant's real
+train step for a v5p-16 slice from a CPU.
 
 To train it on ImageNet, convert the training set to one folder per class (the usual
 `train/n01440764/*.JPEG` layout, 1,281,167 images) and the validation set likewise (50,000):

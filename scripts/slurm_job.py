@@ -2,7 +2,8 @@
 
   python scripts/slurm_job.py --nodes=2 --gpus-per-node=8 --time=04:00:00 \\
       --config=experiments/lm.py:size=1b --workdir=/shared/runs/lm -- --config.train.steps=1000
-  python scripts/slurm_job.py ... --dry-run > lm.sbatch      # print the script, submit nothing
+  python scripts/slurm_job.py --nodes=2 --gpus-per-node=8 --time=04:00:00 \\
+      --config=experiments/lm.py:size=1b --workdir=/shared/runs/lm --dry-run > lm.sbatch
 
 Without --dry-run the script goes to `sbatch` on stdin. The body is one `srun` of the same
 toolkit.train command in every task; `jax.distributed.initialize()` with no arguments finds

@@ -116,14 +116,27 @@ def test_tiny_run_writes_progress_eval_checkpoints_metrics_tensorboard_and_plot(
   assert "Traceback" not in result.stdout + result.stderr
   assert not re.search(r"^[IW]\d{4} ", result.stderr, re.M), "absl INFO/WARNING log flood"
   progress = PROGRESS.findall(result.stdout)
-  assert [int(step) for step, total, _ in progress] == [5, 10], result.stdout
+  # The first step's line at once, then every log_every (5) steps.
+  assert [int(step) for step, total, _ in progress] == [1, 5, 10], result.stdout
+  assert "compiling the step ..." in result.stdout
   assert "eval at step 0: loss" in result.stdout
   assert "eval at step 10: loss" in result.stdout
   assert checkpoint_steps(workdir) == {5, 10}
+  assert f"checkpoint: {workdir / 'checkpoints' / '10'}" in result.stdout
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert sorted(r["step"] for r in records if r["kind"] == "train") == list(range(1, 11))
   assert sorted(r["step"] for r in records if r["kind"] == "eval") == [0, 10]
-  assert all(r["loss"] > 0 for r in records)
+  assert all(r["loss"] > 0 for r in records if r["kind"] in ("train", "eval"))
+  # Goodput: one record and one line; the phases are disjoint parts of the wall time.
+  [goodput] = [r for r in records if r["kind"] == "goodput"]
+  phases = [goodput[f"{name}_seconds"] for name in
+            ("startup", "compile", "steps", "data_wait", "eval", "checkpoint", "other")]
+  assert all(seconds >= 0 for seconds in phases) and goodput["compile_seconds"] > 0
+  assert sum(phases) == pytest.approx(goodput["wall_seconds"], rel=1e-6)
+  assert goodput["productive_fraction"] == pytest.approx(
+      goodput["steps_seconds"] / goodput["wall_seconds"])
+  assert re.search(r"^goodput \d+\.\d% of [\d.]+ s wall: start-up [\d.]+ s, compile ",
+                   result.stdout, re.M), result.stdout
   assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
   assert (workdir / "loss.png").read_bytes().startswith(b"\x89PNG")
 

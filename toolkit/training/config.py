@@ -19,6 +19,7 @@ import sharding
 from models import KINDS, LlamaConfig
 from toolkit.errors import ConfigError
 from toolkit.training import init_from
+from toolkit.training.profiler import parse_profile_steps
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -56,7 +57,9 @@ def defaults() -> ml_collections.ConfigDict:
       sample_prompt="The ", transfer_guard=True,
       # Weights to start from, with a fresh optimizer, when neither the workdir nor
       # resume_from has a checkpoint: "hf:DIR", a Hugging Face model folder (toolkit/hf).
-      init_from=""))
+      init_from="",
+      # "START:STOP": a jax.profiler trace of steps START..STOP-1 in workdir/profile.
+      profile_steps=""))
   return c
 
 
@@ -150,6 +153,7 @@ def resolve(config: ml_collections.ConfigDict,
   if t.peak_flops_per_device < 0:
     raise ConfigError(f"train.peak_flops_per_device={t.peak_flops_per_device} must be >= 0; "
                       f"0 looks the peak up from the device kind")
+  parse_profile_steps(t.get("profile_steps", ""), t.steps)  # a bad window: ConfigError
   return RunSpec(model=model, mesh=mesh, rules=rules, batch_ways=batch_ways, task=task)
 
 

@@ -19,8 +19,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from toolkit.errors import ConfigError
-from toolkit.training import checkpoint, metrics as metrics_lib, state as state_lib
-from toolkit.training import init_from, step as step_lib, tasks
+from toolkit.training import checkpoint, goodput as goodput_lib, init_from
+from toolkit.training import metrics as metrics_lib, profiler as profiler_lib
+from toolkit.training import state as state_lib, step as step_lib, tasks
 from toolkit.training.setup import Setup, build, peak_flops_per_device, work_per_step
 
 
@@ -102,43 +103,53 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
 
   `devices` (default: all) lets a sweep run several trials at once on disjoint devices;
   `sampler`, when given, continues a prompt with the trained model at the end."""
+  goodput = goodput_lib.Goodput()
   # --- setup: validate everything before touching the workdir --------------------------------
-  setup = build(config, devices)
-  hf_folder = init_from.source(config, setup.spec.model, workdir)  # checked, or None
-  prepare_workdir(workdir)
-  log_setup(config, setup)
+  with goodput.phase("startup"):
+    setup = build(config, devices)
+    hf_folder = init_from.source(config, setup.spec.model, workdir)  # checked, or None
+    prepare_workdir(workdir)
+    log_setup(config, setup)
 
-  # --- restore or init -----------------------------------------------------------------------
-  checkpoints = checkpoint.Checkpoints(os.path.join(workdir, "checkpoints"),
-                                       keep=config.train.keep_checkpoints)
-  state, data_position = restore_or_init(config, setup, checkpoints, hf_folder)
-  start_step = int(jax.device_get(state["step"]))
-  if start_step > config.train.steps:
-    raise ConfigError(f"the checkpoint is at step {start_step}, past train.steps="
-                      f"{config.train.steps}; raise train.steps to continue training")
+    # --- restore or init ---------------------------------------------------------------------
+    checkpoints = checkpoint.Checkpoints(os.path.join(workdir, "checkpoints"),
+                                         keep=config.train.keep_checkpoints)
+    state, data_position = restore_or_init(config, setup, checkpoints, hf_folder)
+    start_step = int(jax.device_get(state["step"]))
+  result = RunResult(final_step=start_step, train_losses={}, eval_losses={},
+                     stopped_early=False)
+  if start_step >= config.train.steps:
+    checkpoints.close()
+    return nothing_to_train(config, start_step, result)
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
 
   # --- compile once --------------------------------------------------------------------------
-  train_step, eval_step = compile_steps(setup)
+  with goodput.phase("compile"):
+    train_step, eval_step = compile_steps(setup)
 
   # --- loop ----------------------------------------------------------------------------------
   current = Run(config=config, setup=setup, eval_step=eval_step, checkpoints=checkpoints,
-                writer=metrics_lib.MetricWriter(workdir),
-                result=RunResult(final_step=start_step, train_losses={}, eval_losses={},
-                                 stopped_early=False))
+                writer=metrics_lib.MetricWriter(workdir), result=result, goodput=goodput,
+                profiler=profiler_lib.StepProfiler(profiler_lib.parse_profile_steps(
+                    config.train.get("profile_steps", ""), config.train.steps), workdir, log))
   try:
-    state = train_loop(current, state, train_step, start_step, data_position)
+    try:
+      state = train_loop(current, state, train_step, start_step, data_position)
+    finally:
+      current.profiler.close()
+      with goodput.phase("checkpoint"):  # the last async save finishing
+        checkpoints.close()
+    # --- finish: plots, a sample, where the time went ----------------------------------------
+    current.result.step_traces = setup.step.traces
+    write_plots(current, workdir)
+    if sampler is not None and not current.result.stopped_early:
+      current.result.sample = sampler(config, setup, state)
+    log(f"checkpoint: {os.path.join(checkpoints.directory, str(current.result.final_step))}")
+    write_goodput(current)
   finally:
-    checkpoints.close()
     current.writer.close()
-
-  # --- finish: plots and a sample ------------------------------------------------------------
-  current.result.step_traces = setup.step.traces
-  write_plots(current, workdir)
-  if sampler is not None and not current.result.stopped_early:
-    current.result.sample = sampler(config, setup, state)
   return current.result
 
 
@@ -194,6 +205,7 @@ def restore_or_init(config: ml_collections.ConfigDict, setup: Setup,
 
 def compile_steps(setup: Setup):
   """The compiled train and eval steps, with the compile time and per-device memory logged."""
+  log("compiling the step ...")
   start = time.perf_counter()
   train_step, eval_step = step_lib.compile_step(setup.step, setup.layout,
                                                 setup.batches.abstract(), setup.spec.mesh)
@@ -215,6 +227,9 @@ class Run:
   checkpoints: checkpoint.Checkpoints
   writer: metrics_lib.MetricWriter
   result: RunResult
+  goodput: goodput_lib.Goodput = dataclasses.field(default_factory=goodput_lib.Goodput)
+  profiler: profiler_lib.StepProfiler = dataclasses.field(
+      default_factory=lambda: profiler_lib.StepProfiler(None, ""))
 
   def __post_init__(self):
     self.units_per_step, self.flops_per_step = work_per_step(self.config, self.setup)
@@ -229,10 +244,6 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
   t = config.train
   if start_step == 0:
     evaluate(run_, state, 0)
-  elif start_step == total_steps:
-    log(f"the checkpoint is at train.steps={total_steps} already: nothing to train; raise "
-        f"--config.train.steps to continue")
-    return state
   # Batches are prepared ahead (Grain's threads or workers, or a prefetch thread) while steps
   # run; the iterator places each on the devices and resumes a checkpoint's data position.
   prefetch = config.data.get("prefetch", 2)  # absent from configs saved before it existed
@@ -249,15 +260,19 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
           wait_for_previous_step(pending)
         # The guard turns an implicit host->device copy (say a NumPy array reaching the step)
         # into an error; placing the batch is an explicit transfer and passes.
+        run_.profiler.before_step(current + 1)
         state, step_metrics = train_step(state, batch)
         done = current + 1
+        run_.profiler.after_step(done, step_metrics)
         pending.append((done, step_metrics))
         at_end = done == total_steps
         # Read the stop flag once per step: a signal that lands during this step's flush, eval
         # or save is acted on next step, so "stopped" always means "flushed and saved".
         stopping = stop.should_stop(done)
         save_now = done % t.checkpoint_every == 0 or at_end or stopping
-        if done % t.log_every == 0 or save_now:
+        # The first step's line comes at once (it shows the run is under way), then every
+        # log_every steps.
+        if done % t.log_every == 0 or save_now or done == start_step + 1:
           flush(run_, pending, interval)
         if done % t.eval_every == 0 or at_end:
           evaluate(run_, state, done)
@@ -329,7 +344,12 @@ def flush(run_: Run, pending: list, interval: Interval) -> None:
 
 
 def evaluate(run_: Run, state, at_step: int) -> None:
-  """Runs the held-out batches, writes and logs the task's summary."""
+  """Runs the held-out batches, writes and logs the task's summary (timed as eval)."""
+  with run_.goodput.phase("eval"):
+    _evaluate(run_, state, at_step)
+
+
+def _evaluate(run_: Run, state, at_step: int) -> None:
   setup, result = run_.setup, run_.result
   batches = setup.batches
   outputs = [run_.eval_step(state, batches.eval_batch(i)) for i in range(batches.eval_batches)]
@@ -352,11 +372,34 @@ def save(run_: Run, at_step: int, state, position: dict) -> None:
   batch (the Grain iterator state, if any)."""
   assert position["step"] == at_step, (position, at_step)
   config = run_.config
-  run_.checkpoints.save(at_step, state, run_.config_dict,
-                        {**position, "seed": config.seed, "source": config.data.source})
+  with run_.goodput.phase("checkpoint"):
+    run_.checkpoints.save(at_step, state, run_.config_dict,
+                          {**position, "seed": config.seed, "source": config.data.source})
+
+
+def nothing_to_train(config: ml_collections.ConfigDict, start_step: int,
+                     result: RunResult) -> RunResult:
+  """A checkpoint at or past train.steps: say so and stop before compiling anything."""
+  if start_step > config.train.steps:
+    raise ConfigError(f"the checkpoint is at step {start_step}, past train.steps="
+                      f"{config.train.steps}; raise train.steps to continue training")
+  log(f"the checkpoint is at train.steps={start_step} already: nothing to train; raise "
+      f"--config.train.steps to continue")
+  return result
 
 
 # --- finish ---------------------------------------------------------------------------------
+
+def write_goodput(run_: Run) -> None:
+  """The goodput line and its metrics.jsonl record; the steps' time and the data wait come
+  from the intervals the progress lines measured."""
+  result, goodput = run_.result, run_.goodput
+  goodput.add("steps", max(0.0, result.step_seconds - result.data_wait_seconds))
+  goodput.add("data_wait", result.data_wait_seconds)
+  record = goodput.record()
+  run_.writer.write(result.final_step, "goodput", record)
+  log(goodput_lib.format_line(record))
+
 
 def write_plots(run_: Run, workdir: str) -> None:
   """loss.png, and confusion.png for a classifier (process 0)."""
