@@ -2,10 +2,10 @@
 
   python scripts/gke_jobset.py --name=lm --accelerator-type=v5litepod-16 \\
       --image=us-docker.pkg.dev/PROJECT/REPO/meshkit:latest \\
-      --config=experiments/lm.py:size=1b --gcs-bucket=BUCKET --workdir=/mnt/gcs/runs/lm -- --config.train.steps=1000
+      --config=experiments/lm.py:size=1b --gcs-bucket=my-bucket --workdir=/mnt/gcs/runs/lm -- --config.train.steps=1000
   python scripts/gke_jobset.py --name=lm --accelerator-type=v5litepod-16 --slices=2 \\
       --image=us-docker.pkg.dev/PROJECT/REPO/meshkit:latest --config=experiments/lm.py:size=1b \\
-      --gcs-bucket=BUCKET --workdir=/mnt/gcs/runs/lm --output=lm.yaml    # write a file instead
+      --gcs-bucket=my-bucket --workdir=/mnt/gcs/runs/lm --output=lm.yaml    # write a file instead
 
 Add --apply to pipe the manifest to `kubectl apply -f -`.
 

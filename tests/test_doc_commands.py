@@ -8,7 +8,14 @@ to a command, all listed below: short step counts where a flag allows them (SHOR
 --dry-run for launchers that would reach a cloud or a cluster (DRY_RUN), a free port for
 the server, and /tmp paths moved into the folder. A server runs in the background while
 the clients of its block (curl, the load test) run against it. Commands that cannot run
-here are in SKIP with a reason each; slow ones are marked slow (make test-all).
+here are in SKIP with a reason each. Commands that appear twice (comments and line breaks
+aside) run once.
+
+The default suite runs every command of README.md and docs/*.md and every docstring command
+that does not start JAX (launchers, prepare_text, the layout check, the TPU table); the
+docstring commands that train, generate or serve repeat a docs command with other flags and,
+like the commands in SLOW, run in `make test-all`. The folder's compiled programs go to the
+user's compilation cache, as they would for a user, so a second run of the suite is faster.
 """
 from __future__ import annotations
 
@@ -59,9 +66,16 @@ SHORTER = {
     r"--requests=200": "--requests=16",
     r"(toolkit\.sweep --config=experiments/lm\.py):cpu": r"\1:tiny",
 }
-# Commands that take over 30 s here even shortened: make test-all runs them.
-SLOW = (r"--topology=v5p-128", r"toolkit\.sweep", r"scripts/local_pod\.py",
-        r"scripts/bench_\w+\.py --quick", r"bench_pipeline")
+# pattern -> why it runs in make test-all only (over a minute here, even shortened).
+SLOW = {
+    r"--topology=v5p-128": "compiles the 7b step for 64 TPU chips (~2 min)",
+    r"toolkit\.sweep": "trains 4-8 trials",
+    r"scripts/local_pod\.py": "two JAX processes; tests/toolkit/pod runs the pod simulator",
+    r"scripts/bench_": "benchmarks, even --quick",
+}
+# Docstring commands that need no JAX: cheap, so the default suite runs them too.
+JAX_FREE = (r"scripts/(tpu_pod|gke_jobset|slurm_job|prepare_text|check_layout|doc_commands)\.py",
+            r"toolkit\.topology")
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A list is a sequence of items; "
         "a dictionary maps keys to values. ") * 60
@@ -91,15 +105,21 @@ def _runnable(text: str, workspace: pathlib.Path, port: int, kind: str = "shell"
   return text.rstrip().removesuffix("&").rstrip()
 
 
+def _normalized(text: str) -> str:
+  text = re.sub(r"\s*#[^'\"\n]*$", "", text, flags=re.M)
+  return " ".join(text.replace("\\\n", " ").split())
+
+
 def _cases() -> list[list[doc_commands.DocCommand]]:
   """Single commands, and each server with the clients in its block; inputs first
   (prepare_text), then training, then what reads checkpoints. Duplicates run once."""
+  found = doc_commands.all_commands()
+  servers = {c.block for c in found if "toolkit.serve" in c.text}
   commands, seen = [], set()
-  for command in doc_commands.all_commands():
-    if command.text not in seen:
-      seen.add(command.text)
+  for command in found:  # a server's clients stay with it
+    if command.block in servers or _normalized(command.text) not in seen:
+      seen.add(_normalized(command.text))
       commands.append(command)
-  servers = {c.block for c in commands if "toolkit.serve" in c.text}
   cases, clients = [], {}
   for command in commands:
     if command.block in servers and "toolkit.serve" not in command.text:
@@ -117,8 +137,15 @@ def _cases() -> list[list[doc_commands.DocCommand]]:
   return sorted(cases, key=stage)
 
 
+def _in_default_suite(command: doc_commands.DocCommand) -> bool:
+  if any(re.search(pattern, command.text) for pattern in SLOW):
+    return False
+  from_docs = command.where.startswith(("README.md", "docs/"))
+  return from_docs or any(re.search(pattern, command.text) for pattern in JAX_FREE)
+
+
 def _param(case):
-  marks = [pytest.mark.slow] if any(re.search(p, case[0].text) for p in SLOW) else []
+  marks = [] if _in_default_suite(case[0]) else [pytest.mark.slow]
   return pytest.param(case, id=case[0].where, marks=marks)
 
 

@@ -61,10 +61,11 @@ def cli() -> None:
         batcher = engine_lib.Batcher(engine, batch_flag.value, max_queue=queue_flag.value)
       except RequestError as e:
         raise ConfigError(f"--{e}") from None
+      print(f"restored step {step}; mesh {dict(mesh.shape)}, rules {rules.name}; compiling "
+            f"every prefill and decode shape before listening ...", flush=True)
       start = time.perf_counter()
-      shapes = batcher.warmup()
-      print(f"restored step {step}; mesh {dict(mesh.shape)}, rules {rules.name}; compiled "
-            f"{shapes} shapes in {time.perf_counter() - start:.1f} s", flush=True)
+      shapes = batcher.warmup(log=lambda line: print(line, flush=True))
+      print(f"compiled {shapes} shapes in {time.perf_counter() - start:.1f} s", flush=True)
       info = {"step": step, "batch_size": batch_flag.value, "cache_length": cache_flag.value,
               "mesh": dict(mesh.shape), "rules": rules.name}
       server = Server(batcher, defaults, host_flag.value, port_flag.value, timeout_flag.value,
