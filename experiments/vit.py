@@ -48,6 +48,9 @@ def get_config(arg: str | None = None):
   _set_model(config, "digits")
   config.mesh.ici = "data:-1"
   config.sharding.preset = "dp"
+  # Data parallel on purpose: 0.17 M parameters (0.7 MB) are cheaper replicated than gathered,
+  # so the replication check allows all of them (variants that shard set the limit back).
+  config.sharding.max_replicated_fraction = 1.0
   # Two Grain worker processes prepare (augment) batches while the step runs.
   config.data.update(source="digits", global_batch_size=128, eval_fraction=0.2,
                      crop_padding=1, flip=False, mean=0.5, std=0.5, worker_count=2)
@@ -71,6 +74,7 @@ def get_config(arg: str | None = None):
         _set_model(config, "b16")
         config.mesh.ici = "data:1,fsdp:-1,tensor:1"
         config.sharding.preset = "fsdp"
+        config.sharding.max_replicated_fraction = defaults().sharding.max_replicated_fraction
         config.data.update(source="synthetic", global_batch_size=4096, crop_padding=16,
                            flip=True, worker_count=16)
         config.optimizer.update(learning_rate=1e-3, warmup_steps=10_000, weight_decay=0.1)
@@ -78,6 +82,8 @@ def get_config(arg: str | None = None):
                             checkpoint_every=5000, peak_flops_per_device=0.0)
     elif key == "rules":
       config.sharding.preset = value
+      if value != "dp":
+        config.sharding.max_replicated_fraction = defaults().sharding.max_replicated_fraction
     elif key == "data":
       config.data.source = value
     elif key == "workers":
