@@ -127,6 +127,12 @@ def test_tiny_run_writes_progress_eval_checkpoints_metrics_tensorboard_and_plot(
   assert sorted(r["step"] for r in records if r["kind"] == "train") == list(range(1, 11))
   assert sorted(r["step"] for r in records if r["kind"] == "eval") == [0, 10]
   assert all(r["loss"] > 0 for r in records if r["kind"] in ("train", "eval"))
+  # The progress lines' speed figures are in the records they close too.
+  logged = [r for r in records if r["kind"] == "train" and "tokens_per_second" in r]
+  assert [r["step"] for r in logged] == [1, 5, 10]
+  for r in logged:
+    assert r["tokens_per_second"] == pytest.approx(16 * 32 / r["step_seconds"])  # tiny batch
+    assert 0 < r["mfu"] < 1
   # Goodput: one record and one line; the phases are disjoint parts of the wall time.
   [goodput] = [r for r in records if r["kind"] == "goodput"]
   phases = [goodput[f"{name}_seconds"] for name in
@@ -326,3 +332,14 @@ def test_non_finite_loss_stops_naming_the_step_and_saves_nothing_from_then_on(wo
   assert checkpoint_steps(workdir) == {5, 10}
   assert snapshot(workdir / "checkpoints") == before
   print(line)
+
+
+@pytest.mark.parametrize("script,flag", [("meshkit-train", "--workdir"),
+                                         ("meshkit-generate", "--prompts_file")])
+def test_console_scripts_help_lists_the_commands_flags(script, flag):
+  launcher = pathlib.Path(sys.executable).parent / script
+  if not launcher.exists():
+    pytest.skip(f"{launcher} is not installed (pip install -e .)")
+  done = subprocess.run([str(launcher), "--help"], cwd=REPO, env=_env(), capture_output=True,
+                        text=True, timeout=MISTAKE_TIMEOUT_S)
+  assert f"USAGE: {script} [flags]" in done.stdout and flag in done.stdout, done.stdout

@@ -325,6 +325,9 @@ def flush(run_: Run, pending: list, interval: Interval) -> None:
   result.data_wait_seconds += interval.data_wait
   result.step_seconds += seconds
   fetched[-1]["data_wait_fraction"] = interval.data_wait / seconds if seconds > 0 else 0.0
+  fetched[-1].update(metrics_lib.throughput(seconds / len(pending), run_.units_per_step,
+                                            run_.flops_per_step, run_.peak_flops_total,
+                                            run_.setup.task.unit))
   for (at_step, _), values in zip(pending, fetched):
     values = {k: float(v) for k, v in values.items()}
     # A non-finite gradient poisons the parameters one step before the loss shows it.

@@ -34,6 +34,18 @@ def progress_line(step: int, total: int, metrics: dict[str, float], step_seconds
   return " | ".join(parts)
 
 
+def throughput(step_seconds: float, units_per_step: int, flops_per_step: float,
+               peak_flops_total: float, unit: str = "tok") -> dict[str, float]:
+  """The progress line's speed figures as metrics.jsonl / TensorBoard fields: step_seconds,
+  tokens_per_second (images_per_second for a classifier) and mfu (when the peak is known)."""
+  name = {"tok": "tokens_per_second", "img": "images_per_second"}.get(unit, f"{unit}_per_second")
+  values = {"step_seconds": step_seconds,
+            name: units_per_step / step_seconds if step_seconds > 0 else 0.0}
+  if peak_flops_total > 0 and step_seconds > 0:
+    values["mfu"] = flops_per_step / step_seconds / peak_flops_total
+  return values
+
+
 class MetricWriter:
   """Appends records to workdir/metrics.jsonl and TensorBoard scalars to workdir/tensorboard."""
 
