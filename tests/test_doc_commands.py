@@ -78,7 +78,7 @@ JAX_FREE = (r"scripts/(tpu_pod|gke_jobset|slurm_job|prepare_text|check_layout|do
             r"toolkit\.topology")
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A list is a sequence of items; "
-        "a dictionary maps keys to values. ") * 60
+        "a dictionary maps keys to values. ") * 300
 
 
 def _skip_reason(text: str) -> str | None:

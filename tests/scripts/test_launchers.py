@@ -524,7 +524,7 @@ def test_slurm_script_one_task_per_gpu(tmp_path, recorder):
   assert "JAX_LOCAL_DEVICE_IDS" not in script and "gpus-per-task" not in script.replace(
       "no --gpus-per-task", "")
   [srun] = [shlex.split(line) for line in shell_lines(script) if line.startswith("srun ")]
-  assert srun == ["srun", "--kill-on-bad-exit=1", "python", "-m", "toolkit.train",
+  assert srun == ["srun", "--kill-on-bad-exit=1", ".venv/bin/python", "-m", "toolkit.train",
                   "--config=experiments/lm.py:size=1b", "--workdir=/shared/runs/lm", TRICKY]
   # The script under bash, with a stand-in srun: the directory, environment and arguments.
   subprocess.run(["bash", "-n", "-c", script], check=True, timeout=30)
