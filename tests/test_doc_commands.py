@@ -130,10 +130,11 @@ def _cases() -> list[list[doc_commands.DocCommand]]:
     cases.append([command] + (clients.pop(command.block, []) if command.block in servers
                               else []))
 
-  def stage(case):
+  def stage(case):  # what makes inputs, then training, then the rest; else in doc order
     text = case[0].text
-    return (0 if "prepare_text" in text else 1 if "toolkit.train" in text
-            and "--plan=" not in text else 2)
+    if re.search(r"prepare_text|tiny_hf_model|toolkit\.convert import", text):
+      return 0
+    return 1 if "toolkit.train" in text and "--plan=" not in text else 2
   return sorted(cases, key=stage)
 
 
