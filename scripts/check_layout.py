@@ -7,8 +7,8 @@ The direction, lowest first (a module may import its own layer and the layers be
 
   sharding  <-  models  <-  toolkit's shared helpers (errors, accelerators, workdir,
   runtime, command_line)  <-  toolkit/data, toolkit/hf  <-  toolkit/training  <-  the other
-  toolkit/<concern> subpackages (pod, inference, tuning, ...; never each other)  <-  toolkit's commands
-  (toolkit/*.py)  <-  experiments, scripts
+  toolkit/<concern> subpackages (pod, inference, tuning, ...; never each other)  <-
+  toolkit's commands (toolkit/*.py)  <-  experiments, scripts
 
 Sizes: no module over 500 lines, no function over 80 lines (nested functions count towards
 the function they sit in), outside tests/.

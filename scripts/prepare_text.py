@@ -8,8 +8,9 @@ file is one document, its text in the field `--text_key` ("text"). A document is
 (byte-level by default: ids 0-255 are UTF-8 bytes, 256 ends a document; or any Hugging Face
 tokenizer.json through the `tokenizers` library) and followed by the end-of-document token.
 The last `--val_fraction` (default 5 %) of every document's text goes to the `val` split, the
-rest to `train`: one file gives both splits, and val holds that share of the tokens. Output: `train_00000.bin`, ...
-(flat little-endian uint16, or uint32 for vocabularies above 65,536) and `meta.json`.
+rest to `train`: one file gives both splits, and val holds that share of the tokens. Output:
+`train_00000.bin`, ... (flat little-endian uint16, or uint32 for vocabularies above 65,536)
+and `meta.json`.
 
 Then train on them:
 
