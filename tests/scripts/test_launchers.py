@@ -213,6 +213,10 @@ def test_ahead_of_time_compile_arguments():
 def test_libtpu_accepts_the_compile_arguments(name):
   pytest.importorskip("libtpu")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from toolkit.pod import target  # pylint: disable=g-import-not-at-top
+  # As toolkit.compile does: without it libtpu takes /tmp/libtpu_lockfile, and fails while
+  # any other process on the machine (another test run) holds it.
+  target.prepare_libtpu_environment()
   t = accelerators.accelerator(name)
   assert len(topologies.get_topology_desc(**t.topology_desc_kwargs()).devices) == t.chips
 
