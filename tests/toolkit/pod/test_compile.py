@@ -104,7 +104,8 @@ def test_cpu_lm_compiles_and_fits_on_small_slices(topology):
   assert os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1"
   assert os.environ["TPU_LOG_DIR"].rstrip("/") != "/tmp/tpu_logs"
   assert os.path.isfile(os.path.join(os.environ["TPU_LOG_DIR"], "libtpu_init.log"))
-  _check_memory(report, config, tpu, padding=1.5)
+  # TPU layouts pad the cpu model's small arrays to tiles: 1.91x the bytes measured on v5e-8.
+  _check_memory(report, config, tpu, padding=2.5)
   assert report.memory["hbm"] == tpu.tpu.hbm_bytes_per_chip
   assert 0 < report.memory["headroom"] < report.memory["hbm"]  # fits, and uses some HBM
   # The mesh is the config's, its -1 filled from the target: fsdp x tensor=2.
