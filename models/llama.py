@@ -1,4 +1,6 @@
-"""A Llama-style decoder LM: RMSNorm, rotary positions, grouped-query causal attention, SwiGLU.
+"""A Llama-style decoder LM: RMSNorm, rotary positions, grouped-query causal attention, SwiGLU;
+with `n_experts` > 0 a Mixtral-style mixture of experts replaces the MLP of every `moe_every`-th
+layer (models/moe.py).
 
 Every parameter carries logical axis names in its ``out_sharding`` metadata; activations are
 constrained at block boundaries through `sharding.constrain`, which is a no-op unless the
@@ -15,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import moe
+from models.params import normal as _param
 from sharding import constrain
 
 RematPolicy = Literal["none", "full", "save_dots"]
@@ -55,10 +59,29 @@ class LlamaConfig:
   # False: every position attends to every other (bidirectional), for encoders such as
   # models/vit.py that reuse these blocks; the LM is causal.
   causal: bool = True
+  # Mixture of experts (models/moe.py): 0 experts is a dense model. Otherwise the MLP of every
+  # `moe_every`-th layer (1: all) becomes n_experts SwiGLU experts of width mlp_dim, of which
+  # the router picks experts_per_token per token. moe_dispatch: "dropless" (sort +
+  # ragged_dot) or "capacity" (capacity_factor x the even share of slots per expert and
+  # sequence, the rest dropped). expert_exchange: how dropless moves tokens across the expert
+  # axis, "ring" or "ragged_all_to_all" (TPU/GPU). The router's load-balancing and z losses
+  # join the training loss with these weights.
+  n_experts: int = 0
+  experts_per_token: int = 2
+  moe_every: int = 1
+  moe_dispatch: str = "dropless"
+  capacity_factor: float = 1.25
+  expert_exchange: str = "ring"
+  load_balance_weight: float = 0.01
+  router_z_weight: float = 0.001
 
   @property
   def resolved_head_dim(self) -> int:
     return self.head_dim or self.d_model // self.n_heads
+
+  @property
+  def n_moe_layers(self) -> int:
+    return self.n_layers // self.moe_every if self.n_experts else 0
 
   @classmethod
   def preset(cls, name: str, **overrides) -> LlamaConfig:
@@ -88,6 +111,7 @@ class LlamaConfig:
     if self.remat not in ("none", "full", "save_dots"):
       raise ValueError(f"{field}.remat={self.remat!r}; use 'none', 'full' or 'save_dots'")
     self._validate_rope(field)
+    moe.validate(self, field)
 
   def _validate_rope(self, field: str) -> None:
     if self.rope_type not in ROPE_TYPES:
@@ -104,20 +128,28 @@ class LlamaConfig:
           f"{self.rope_high_freq_factor}) and rope_original_max_positions >= 1 (got "
           f"{self.rope_original_max_positions})")
 
-  def num_params(self) -> int:
+  def layer_matmul_params(self, active: bool = False) -> float:
+    """Matmul weights of one layer, averaged over the layers (MoE layers count all their
+    experts and the router, or with `active` only the experts_per_token a token uses)."""
     d, hd = self.d_model, self.resolved_head_dim
-    attention = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
-    block = attention + 3 * d * self.mlp_dim + 2 * d
-    embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-    return self.n_layers * block + embeddings + d
+    mlp = 3 * d * self.mlp_dim
+    experts = self.experts_per_token if active else self.n_experts
+    moe_layer = experts * mlp + d * self.n_experts
+    mlps = (self.n_layers - self.n_moe_layers) * mlp + self.n_moe_layers * moe_layer
+    return d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + mlps / self.n_layers
+
+  def num_params(self) -> int:
+    embeddings = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+    return round(self.n_layers * (self.layer_matmul_params() + 2 * self.d_model)
+                 + embeddings + self.d_model)
 
   def flops_per_token(self, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward): 6 x matmul parameters plus attention
-    scores and values, counted as in the PaLM paper's appendix B (no causal discount)."""
-    d, hd = self.d_model, self.resolved_head_dim
-    matmul_params = (self.n_layers * (d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
-                                      + 3 * d * self.mlp_dim) + self.vocab_size * d)
-    attention = 12 * self.n_layers * self.n_heads * hd * seq_len
+    """Training FLOPs per token (forward + backward): 6 x matmul parameters a token uses (the
+    router and its experts_per_token experts in an MoE layer) plus attention scores and
+    values, counted as in the PaLM paper's appendix B (no causal discount)."""
+    matmul_params = (self.n_layers * self.layer_matmul_params(active=True)
+                     + self.vocab_size * self.d_model)
+    attention = 12 * self.n_layers * self.n_heads * self.resolved_head_dim * seq_len
     return 6 * matmul_params + attention
 
 
@@ -144,14 +176,17 @@ PRESETS: dict[str, LlamaConfig] = {
                       mlp_dim=11_008, compute_dtype="bfloat16", remat="save_dots"),
     "70b": LlamaConfig(vocab_size=32_000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                        mlp_dim=28_672, compute_dtype="bfloat16", remat="full"),
+    # Mixtral-style mixtures of experts: 8 experts, 2 per token, in every layer. moe_tiny and
+    # moe_cpu use experts half as wide as tiny's and cpu's MLP, so a token uses as many
+    # weights as in those dense models (plus the router); 8x7b is Mixtral 8x7B (46.7 B).
+    "moe_tiny": LlamaConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                            mlp_dim=32, n_experts=8),
+    "moe_cpu": LlamaConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                           mlp_dim=192, n_experts=8),
+    "8x7b": LlamaConfig(vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                        mlp_dim=14_336, rope_theta=1_000_000.0, compute_dtype="bfloat16",
+                        remat="full", n_experts=8),
 }
-
-
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float,
-           dtype: str) -> nnx.Param:
-  value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-  # eager_sharding=False: the names are logical; meshkit's rules resolve them, not Flax.
-  return nnx.Param(value.astype(dtype), out_sharding=axes, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
@@ -265,13 +300,14 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-  """Pre-norm transformer block; input and output (batch, length, embed)."""
+  """Pre-norm transformer block; input and output (batch, length, embed). With `experts` its
+  feed-forward is a mixture of experts (models/moe.py), else a SwiGLU MLP."""
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, experts: bool = False):
     self.attention_norm = RMSNorm(cfg)
     self.attention = Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg)
-    self.mlp = MLP(cfg, rngs)
+    self.mlp = moe.MoE(cfg, rngs) if experts else MLP(cfg, rngs)
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     x = x + self.attention(self.attention_norm(x), positions)
@@ -293,6 +329,46 @@ class Block(nnx.Module):
     return constrain(x, ("batch", "length", "embed")), (k, v)
 
 
+class Group(nnx.Module):
+  """`moe_every` consecutive blocks, the last with a mixture of experts: the unit the layers
+  are stacked and scanned in when only every n-th layer is MoE (the blocks differ in shape).
+  prefill/decode stack and take the blocks' caches along a leading axis."""
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.blocks = nnx.List([Block(cfg, rngs, experts=i == cfg.moe_every - 1)
+                            for i in range(cfg.moe_every)])
+
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    for block in self.blocks:
+      x = block(x, positions)
+    return x
+
+  def prefill(self, x: jax.Array, positions: jax.Array):
+    caches = []
+    for block in self.blocks:
+      x, cache = block.prefill(x, positions)
+      caches.append(cache)
+    return x, jax.tree.map(lambda *c: jnp.stack(c), *caches)
+
+  def decode(self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array]):
+    caches = []
+    for i, block in enumerate(self.blocks):
+      x, block_cache = block.decode(x, positions, jax.tree.map(lambda c, i=i: c[i], cache))
+      caches.append(block_cache)
+    return x, jax.tree.map(lambda *c: jnp.stack(c), *caches)
+
+
+def layers_per_unit(cfg: LlamaConfig) -> int:
+  """Layers in one stacked unit: a Group of moe_every blocks, or one Block."""
+  return cfg.moe_every if cfg.n_experts and cfg.moe_every > 1 else 1
+
+
+def _layer_unit(cfg: LlamaConfig, rngs: nnx.Rngs) -> nnx.Module:
+  if layers_per_unit(cfg) > 1:
+    return Group(cfg, rngs)
+  return Block(cfg, rngs, experts=cfg.n_experts > 0)
+
+
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -305,22 +381,32 @@ def init_cache(cfg: LlamaConfig, batch: int, cache_length: int) -> KVCache:
   return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
 
 
-def run_layers(layers: nnx.Module, cfg, x: jax.Array, positions: jax.Array) -> jax.Array:
-  """Applies stacked blocks (one Block vmapped over "layers") in order: scanned or unrolled
-  per cfg.scan_layers, each under cfg.remat. Shared by the LM and encoders such as the ViT."""
+def scan_or_unroll(body, carry, xs, scan: bool):
+  """`jax.lax.scan(body, carry, xs)`, or the same loop unrolled in Python (outputs stacked)."""
+  if scan:
+    return jax.lax.scan(body, carry, xs)
+  outputs = []
+  for i in range(jax.tree.leaves(xs)[0].shape[0]):
+    carry, out = body(carry, jax.tree.map(lambda a, i=i: a[i], xs))
+    outputs.append(out)
+  return carry, jax.tree.map(lambda *a: jnp.stack(a), *outputs)
+
+
+def run_layers(layers: nnx.Module, cfg, x: jax.Array,
+               positions: jax.Array) -> tuple[jax.Array, list[dict[str, jax.Array]]]:
+  """Applies stacked blocks (one Block, or Group, vmapped over "layers") in order: scanned or
+  unrolled per cfg.scan_layers, each under cfg.remat. Returns x and the router statistics of
+  the MoE blocks (`moe.capture_router_stats`, stacked over layers; [] for a dense model). Shared
+  by the LM and encoders such as the ViT."""
   graphdef, stacked = nnx.split(layers)
 
-  def body(carry: jax.Array, layer_state) -> tuple[jax.Array, None]:
-    return nnx.merge(graphdef, layer_state)(carry, positions), None
+  def body(carry: jax.Array, layer_state):
+    return moe.capture_router_stats(lambda layer, x: layer(x, positions),
+                                    nnx.merge(graphdef, layer_state), carry)
 
   if cfg.remat != "none":
     body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat])
-  if cfg.scan_layers:
-    x, _ = jax.lax.scan(body, x, stacked)
-    return x
-  for i in range(cfg.n_layers):
-    x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], stacked))
-  return x
+  return scan_or_unroll(body, x, stacked, cfg.scan_layers)
 
 
 class Llama(nnx.Module):
@@ -330,8 +416,8 @@ class Llama(nnx.Module):
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std,
                         cfg.param_dtype)
-    layer_keys = jax.random.split(rngs.params(), cfg.n_layers)
-    make_layers = nnx.vmap(lambda key: Block(cfg, nnx.Rngs(params=key)),
+    layer_keys = jax.random.split(rngs.params(), cfg.n_layers // layers_per_unit(cfg))
+    make_layers = nnx.vmap(lambda key: _layer_unit(cfg, nnx.Rngs(params=key)),
                            in_axes=0, out_axes=0,
                            transform_metadata={nnx.PARTITION_NAME: "layers"})
     self.layers = make_layers(layer_keys)
@@ -341,12 +427,17 @@ class Llama(nnx.Module):
                             cfg.init_std, cfg.param_dtype)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-    cfg = self.cfg
+    return self.logits_and_aux(tokens, positions)[0]
+
+  def logits_and_aux(self, tokens: jax.Array, positions: jax.Array | None = None):
+    """(logits, auxiliary loss, metrics): the loss the router adds to training (weighted by
+    the config; 0 for a dense model) and its metrics ({} for a dense model), models/moe.py's
+    `summarize`."""
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x = self._embed(tokens)
-    x = self._run_layers(x, positions)
-    return self._logits(x)
+    x, router_stats = run_layers(self.layers, self.cfg, x, positions)
+    return (self._logits(x), *moe.summarize(router_stats, self.cfg))
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.compute_dtype)
@@ -390,21 +481,20 @@ class Llama(nnx.Module):
     return self._logits(x)[:, 0], {"k": k, "v": v}
 
   def _layers_with_cache(self, x: jax.Array, apply, per_layer):
-    """Runs `apply(block, x, per_layer[i]) -> (x, out_i)` over the layers (scanned or
-    unrolled as in training); returns x and the outputs stacked along a leading layers axis."""
+    """Runs `apply(unit, x, per_layer[i]) -> (x, out_i)` over the stacked units (scanned or
+    unrolled as in training); returns x and the outputs stacked along a leading layers axis.
+    Per-layer arrays are regrouped per unit (Group) and back."""
     graphdef, stacked = nnx.split(self.layers)
+    per_unit = layers_per_unit(self.cfg)
+    by_unit = lambda a: a.reshape(a.shape[0] // per_unit, per_unit, *a.shape[1:])
+    by_layer = lambda a: a.reshape(-1, *a.shape[2:])
 
     def body(carry, inputs):
       layer_state, layer_inputs = inputs
-      return apply(nnx.merge(graphdef, layer_state), carry, layer_inputs)
+      unit = nnx.merge(graphdef, layer_state)
+      return moe.capture_router_stats(apply, unit, carry, layer_inputs)[0]  # stats unused
 
-    if self.cfg.scan_layers:
-      return jax.lax.scan(body, x, (stacked, per_layer))
-    outputs = []
-    for i in range(self.cfg.n_layers):
-      x, out = body(x, jax.tree.map(lambda a, i=i: a[i], (stacked, per_layer)))
-      outputs.append(out)
-    return x, jax.tree.map(lambda *a: jnp.stack(a), *outputs)
-
-  def _run_layers(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    return run_layers(self.layers, self.cfg, x, positions)
+    if per_unit > 1:
+      per_layer = jax.tree.map(by_unit, per_layer)
+    x, outputs = scan_or_unroll(body, x, (stacked, per_layer), self.cfg.scan_layers)
+    return x, jax.tree.map(by_layer, outputs) if per_unit > 1 else outputs

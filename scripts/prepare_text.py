@@ -28,6 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from toolkit.data import shards  # noqa: E402  pylint: disable=wrong-import-position
+from toolkit.data import text as text_lib  # noqa: E402  pylint: disable=wrong-import-position
 from toolkit.errors import ConfigError  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -44,19 +45,26 @@ def read_documents(paths: list[str], text_key: str):
         raise ConfigError(f"input {path} is not UTF-8 text ({e.reason} at byte {e.start})"
                           ) from None
       continue
-    with open(path, encoding="utf-8") as f:
-      for number, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        try:
-          record = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise ConfigError(f"{path} line {number} is not JSON ({e.msg}); one JSON object per "
-                            f"line") from None
-        if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-          raise ConfigError(f"{path} line {number} has no string field {text_key!r}; set "
-                            f"--text_key to the field holding the text")
-        yield record[text_key]
+    for where, line in text_lib.jsonl_lines(path):
+      yield _jsonl_text(line, where, text_key)
+
+
+def _jsonl_text(line: str, where: str, text_key: str) -> str:
+  """The text of one JSONL line; errors name `where` and the fix."""
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{where} is not JSON ({e.msg}); one JSON object per line") from None
+  except RecursionError:
+    raise ConfigError(f"{where} nests too deeply to be a document; one JSON object per line "
+                      f"with a string field {text_key!r}") from None
+  if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+    raise ConfigError(f"{where} has no string field {text_key!r}; set --text_key to the field "
+                      f"holding the text")
+  if (problem := text_lib.utf8_problem(record[text_key])) is not None:
+    raise ConfigError(f"{where}: field {text_key!r} is not valid UTF-8 text ({problem}: an "
+                      f"unpaired \\ud800-\\udfff escape); fix or drop that line")
+  return record[text_key]
 
 
 def split_documents(documents: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
@@ -78,10 +86,18 @@ def prepare(paths: list[str], out: str, tokenizer: shards.Tokenizer, val_fractio
   """Writes the shards and meta.json into `out`; returns meta.json's contents."""
   if not paths:
     raise ConfigError("no input files; give text or .jsonl files after the flags")
-  os.makedirs(out, exist_ok=True)
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ConfigError(f"--out={out!r} is a file; give a folder (created if missing)")
   documents = list(read_documents(paths, text_key))
-  if not documents:
-    raise ConfigError(f"the inputs ({', '.join(paths)}) hold no documents")
+  if not any(documents):
+    raise ConfigError(f"the inputs ({', '.join(paths)}) hold no text"
+                      + (f" ({len(documents)} empty documents)" if documents else "")
+                      + "; give files with text in them")
+  try:
+    os.makedirs(out, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f"--out={out!r} cannot be created ({e.strerror}); choose another "
+                      f"folder") from None
   started, seen = time.perf_counter(), {"parts": 0, "tokens": 0}
   train, val = split_documents(documents, val_fraction)
   parts = len(train) + len(val)

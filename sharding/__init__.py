@@ -9,8 +9,10 @@ from sharding.errors import ShardingError
 from sharding.mesh import MESH_AXES, make_mesh, parse_axis_sizes
 from sharding.rules import PRESETS, Rules, activation_rules, constrain
 from sharding.report import ShardingReport, sharding_report
+from sharding.per_device import active_axes, shard_map
 
 __all__ = [
     "LOGICAL_AXES", "MESH_AXES", "PRESETS", "Rules", "ShardingError", "ShardingReport",
-    "activation_rules", "constrain", "make_mesh", "parse_axis_sizes", "sharding_report",
+    "activation_rules", "active_axes", "constrain", "make_mesh", "parse_axis_sizes",
+    "shard_map", "sharding_report",
 ]

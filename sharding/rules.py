@@ -32,6 +32,13 @@ def _table(**entries: tuple[str, ...]) -> Table:
   return {**_REPLICATED, **_TRIAL, **entries}
 
 
+# Expert parallelism: each device holds its share of a mixture-of-experts layer's experts
+# (parameters and their compute alike), and the `expert` axis splits the batch everywhere else,
+# so it is data parallel for attention and the dense layers.
+_EXPERTS = {"experts": ("expert",)}
+_BATCH_EP = ("data", "fsdp", "expert")
+_TP = dict(heads=("tensor",), kv_heads=("tensor",), mlp=("tensor",), vocab=("tensor",))
+
 # preset -> (parameter table, activation table)
 PRESETS: dict[str, tuple[Table, Table]] = {
     # Data parallel: parameters replicated, the batch split over every batch-like axis.
@@ -52,6 +59,11 @@ PRESETS: dict[str, tuple[Table, Table]] = {
         _table(batch=_BATCH, heads=("tensor",), kv_heads=("tensor",), mlp=("tensor",),
                vocab=("tensor",)),
     ),
+    # fsdp plus expert parallelism: experts split over `expert`, the batch also over it.
+    "fsdp_ep": (_table(embed=("fsdp",), **_EXPERTS), _table(batch=_BATCH_EP, **_EXPERTS)),
+    # fsdp_tp plus expert parallelism; each expert's hidden width is split over tensor.
+    "fsdp_tp_ep": (_table(embed=("fsdp",), **_TP, **_EXPERTS),
+                   _table(batch=_BATCH_EP, **_TP, **_EXPERTS)),
 }
 
 

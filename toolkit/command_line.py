@@ -23,8 +23,15 @@ from toolkit.errors import ConfigError
 USAGE_EXIT = 2  # a mistake on the command line, found before anything ran
 
 
-def fail(message: str, exit_code: int = 1) -> None:
+def fail(message: str, exit_code: int = 1, now: bool = False) -> None:
+  """Prints `message` as one `error:` line and exits. `now` exits without waiting for other
+  threads: after a storage failure Orbax leaves threads that wait minutes for files that will
+  never appear, and the interpreter would wait for them (everything the run wrote is already
+  closed by then)."""
   print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+  if now:
+    sys.stdout.flush()
+    os._exit(exit_code)  # pylint: disable=protected-access
   sys.exit(exit_code)
 
 
@@ -240,13 +247,36 @@ def help_for_console_script(argv: list[str]) -> None:
   sys.exit(1)
 
 
+def check_platform() -> None:
+  """One `error:` line when JAX cannot start the platform the environment asks for: with
+  JAX_PLATFORMS=cuda on a machine without a GPU (or without JAX's CUDA plugin) JAX ends in a
+  bare AssertionError. Call it after joining other processes (`jax.distributed`), which must
+  come before JAX starts its devices."""
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    jax.devices()
+  except (RuntimeError, AssertionError) as e:
+    requested = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else (
+        "its devices or its JAX plugin are missing")
+    fail(f"JAX_PLATFORMS={requested!r} asks for a platform JAX cannot start here ({detail}); "
+         f"unset JAX_PLATFORMS to use the devices this machine has, or install that "
+         f"platform's JAX plugin on a machine that has it (e.g. pip install 'jax[cuda12]')")
+
+
 def quiet_logging() -> None:
-  """Orbax logs every save at INFO: show warnings only, unless -v/--verbosity was given."""
+  """Orbax logs every save at INFO: show warnings only, unless -v/--verbosity was given.
+
+  Orbax also logs each failure of a save or restore at ERROR, with its traceback, from every
+  thread it passes through (hundreds of lines for one full disk) before raising it; the
+  command reports what it raises in one line, so those records are dropped too."""
   from absl import flags, logging  # pylint: disable=g-import-not-at-top
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
     # tensorboardX warns per NaN scalar; the loop's own non-finite check says it in one line.
     std_logging.getLogger("tensorboardX").setLevel(std_logging.ERROR)
+    std_logging.getLogger("absl").addFilter(_drop_orbax_errors)
+    sys.unraisablehook = _without_late_io_callbacks(sys.unraisablehook)
 
 
 def define_runtime_flags():
@@ -257,3 +287,20 @@ def define_runtime_flags():
       "Folder of JAX's persistent compilation cache: a restart loads the compiled step from it "
       "instead of compiling again. --compilation_cache=off turns it off.")
 
+
+def _drop_orbax_errors(record: std_logging.LogRecord) -> bool:
+  return not (record.levelno >= std_logging.ERROR
+              and f"{os.sep}orbax{os.sep}" in (record.pathname or ""))
+
+
+def _without_late_io_callbacks(hook):
+  """sys.unraisablehook `hook`, except for one harmless race: when a save fails, TensorStore
+  may complete an outstanding write after Orbax closed the event loop waiting for it; its
+  callback's "Event loop is closed" would be printed as a bare traceback."""
+  def filtered(unraisable):
+    frames = traceback.extract_tb(unraisable.exc_traceback)
+    if (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+        and frames and frames[0].name == "call_soon_threadsafe"):
+      return
+    hook(unraisable)
+  return filtered

@@ -67,8 +67,9 @@ def cli() -> None:
   plan_out_flag = flags.DEFINE_string("plan_out", "plan.json", "Where --plan writes the plan.")
   workers_flag = flags.DEFINE_integer("plan_workers", 0, "Parallel compile processes for "
                                       "--plan; 0 picks from CPU cores and free memory.")
-  presets_flag = flags.DEFINE_list("plan_presets", "dp,fsdp,tp,fsdp_tp",
-                                   "Rules presets --plan tries.")
+  presets_flag = flags.DEFINE_list("plan_presets", "dp,fsdp,tp,fsdp_tp,fsdp_ep,fsdp_tp_ep",
+                                   "Rules presets --plan tries (the *_ep ones on meshes with "
+                                   "an expert axis, for mixtures of experts).")
   remat_flag = flags.DEFINE_list("plan_remat", "none,save_dots,full", "Remat policies --plan "
                                  "tries.")
   micro_flag = flags.DEFINE_list("plan_microbatches", "1,2,4,8,16,32,64", "Micro-batch "

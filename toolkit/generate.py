@@ -68,6 +68,7 @@ def cli() -> None:
     del argv
     command_line.quiet_logging()
     runtime.start(cache_dir_flag.value, mesh=config_flag.value.mesh)
+    command_line.check_platform()
     try:
       defaults = sampling_defaults(**{k: f.value for k, f in sampling_flags.items()})
       records = offline.run(config_flag.value, checkpoint_flag.value, prompt=prompt_flag.value,

@@ -33,6 +33,7 @@ def cli() -> None:
     del argv
     command_line.quiet_logging()
     runtime.start(cache_flag.value, mesh=config_flag.value.mesh)
+    command_line.check_platform()
     try:
       classify.run(config_flag.value, checkpoint_flag.value, inputs_flag.value, output_flag.value,
           batch_flag.value, top_k_flag.value)

@@ -29,6 +29,7 @@ def cli() -> None:
     del argv
     command_line.quiet_logging()
     runtime.start(cache_flag.value)  # one device: nothing to simulate
+    command_line.check_platform()
     try:
       print(text.sample_from_checkpoint(workdir.value, prompt.value, tokens.value,
                                         temperature.value, seed.value, tokenizer.value))

@@ -50,6 +50,7 @@ def cli() -> None:
     del argv
     command_line.quiet_logging()
     runtime.start(cache_dir_flag.value, mesh=config_flag.value.mesh)
+    command_line.check_platform()
     try:
       defaults = requests.sampling_defaults(**{k: f.value for k, f in sampling_flags.items()})
       params, model_cfg, mesh, rules, step = restore.restore_params(config_flag.value,

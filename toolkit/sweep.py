@@ -42,6 +42,7 @@ def cli() -> None:
     command_line.quiet_logging()
     runtime.start(cache_flag.value, cpu_devices=(
         runtime.DEFAULT_CPU_DEVICES, "the sweep's trials"))
+    command_line.check_platform()
     try:
       runner.run(config_flag.value, workdir_flag.value, mode_flag.value, concurrent_flag.value)
     except (ConfigError, sharding.ShardingError) as e:

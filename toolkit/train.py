@@ -16,7 +16,7 @@ from toolkit import command_line, runtime
 from toolkit.errors import ConfigError
 from toolkit.inference import text as text_lib
 from toolkit.pod import distributed
-from toolkit.training import loop
+from toolkit.training import loop, storage
 
 
 def cli() -> None:
@@ -26,9 +26,9 @@ def cli() -> None:
   them into one job (flags, else SLURM / Open MPI / Cloud TPU, else one process).
 
   Exit status: 0 when training finished or stopped on SIGTERM/SIGINT with a checkpoint;
-  2 for a command-line mistake; 1 for a config, workdir or checkpoint mistake, a non-finite
-  loss, or a peer process that failed or never started. Every mistake prints one `error:` line
-  on stderr, and nothing in the workdir changes. When JAX's runtime itself ends a process
+  2 for a command-line mistake; 1 for a config, workdir or checkpoint mistake, a full or
+  read-only disk, a non-finite loss, or a peer process that failed or never started. Each prints
+  one `error:` line on stderr (docs/faults.md). When JAX's runtime itself ends a process
   (process 0 died, or a peer stopped sending heartbeats) it exits on SIGABRT.
   """
   from absl import app, flags  # pylint: disable=g-import-not-at-top
@@ -79,10 +79,15 @@ def cli() -> None:
           heartbeat_timeout=heartbeat_timeout_flag.value)
     except ConfigError as e:
       command_line.fail(e, command_line.USAGE_EXIT)
+    except (RuntimeError, AssertionError):
+      command_line.check_platform()  # one line when it is JAX_PLATFORMS that failed
+      raise
     if processes.process_count > 1:
       print(processes, flush=True)  # every process: one line each, to tell them apart
     try:
       loop.run(config, workdir_flag.value, sampler=text_lib.sample_after_training)
+    except storage.StorageError as e:
+      command_line.fail(e, now=True)
     except (ConfigError, sharding.ShardingError, loop.NonFiniteLoss) as e:
       command_line.fail(e)
     except jax.errors.JaxRuntimeError as e:

@@ -1,25 +1,12 @@
 """Smoke test: scripts/bench_step.py --quick runs end to end and its numbers hang together."""
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from tests.scripts.quick_bench import run_quick
 
 
 def test_quick_benchmark_runs_and_reports(tmp_path):
-  out = tmp_path / "bench.json"
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run(
-      [sys.executable, str(REPO / "scripts" / "bench_step.py"), "--quick", f"--json={out}"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "ratio toolkit/bare" in proc.stdout
-  result = json.loads(out.read_text())
+  stdout, result = run_quick("bench_step.py", tmp_path / "bench.json", timeout_s=300)
+  assert "ratio toolkit/bare" in stdout
   assert result["devices"] == 8
   # The script itself asserts the agreement; check it really compared the same steps.
   losses = result["check_losses"]

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from toolkit import accelerators
+from toolkit.pod import target
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
@@ -213,7 +214,6 @@ def test_ahead_of_time_compile_arguments():
 def test_libtpu_accepts_the_compile_arguments(name):
   pytest.importorskip("libtpu")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  from toolkit.pod import target  # pylint: disable=g-import-not-at-top
   # As toolkit.compile does: without it libtpu takes /tmp/libtpu_lockfile, and fails while
   # any other process on the machine (another test run) holds it.
   target.prepare_libtpu_environment()

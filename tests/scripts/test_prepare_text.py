@@ -79,6 +79,27 @@ def test_bad_inputs(tmp_path):
   (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
   with pytest.raises(ConfigError, match=r"latin1.txt is not UTF-8"):
     prepare_text.prepare([str(tmp_path / "latin1.txt")], str(tmp_path / "o"), tokenizer, 0.1, 100)
+  # Each of these once ended in a traceback or wrote a dataset of one end-of-document token.
+  (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+  with pytest.raises(ConfigError, match=r"latin1.jsonl line 2 is not UTF-8 \(invalid "
+                                        r"continuation byte at byte 13\); save the file"):
+    prepare_text.prepare([str(tmp_path / "latin1.jsonl")], str(tmp_path / "o"), tokenizer, 0.1,
+                         100)
+  (tmp_path / "surrogate.jsonl").write_text('{"text": "ok"}\n{"text": "a\\ud800b"}\n')
+  with pytest.raises(ConfigError, match=r"surrogate.jsonl line 2: field 'text' is not valid "
+                                        r"UTF-8 text \(lone surrogate U\+D800 at character 1"):
+    prepare_text.prepare([str(tmp_path / "surrogate.jsonl")], str(tmp_path / "o"), tokenizer,
+                         0.1, 100)
+  (tmp_path / "empty.txt").write_text("")
+  (tmp_path / "blank.jsonl").write_text("\n\n")
+  for empty in ("empty.txt", "blank.jsonl"):
+    with pytest.raises(ConfigError, match=r"hold no text.*give files with text in them"):
+      prepare_text.prepare([str(tmp_path / empty)], str(tmp_path / "o"), tokenizer, 0.1, 100)
+  assert not (tmp_path / "o").exists()  # nothing written for refused inputs
+  (tmp_path / "a_file").write_text("x")
+  with pytest.raises(ConfigError, match=r"--out='.*a_file' is a file; give a folder"):
+    prepare_text.prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "a_file"), tokenizer, 0.1,
+                         100)
   with pytest.raises(ConfigError, match=r"is not a valid tokenizer.json"):
     shards.Tokenizer(str(tmp_path / "latin1.txt"))
   with pytest.raises(ConfigError, match=r"no end-of-document token <eot>"):
@@ -98,3 +119,18 @@ def test_command_line(tmp_path):
   assert proc.returncode == 1
   assert proc.stderr.strip() == f"error: input {tmp_path / 'missing.txt'} does not exist; give " \
                                 "text or .jsonl files"
+  proc = run(f"--out={inputs[0]}", *inputs)  # --out an existing file
+  assert proc.returncode == 1
+  assert proc.stderr.strip() == f"error: --out={inputs[0]!r} is a file; give a folder (created " \
+                                "if missing)"
+
+
+def test_a_corpus_drawn_entirely_for_validation_still_trains(tmp_path):
+  """One document drawn for val (its index hashes below 0.5): it trains instead of leaving an
+  empty train split."""
+  assert prepare_text.is_validation(0, 0.5)
+  (tmp_path / "one.txt").write_text("the only document")
+  meta = prepare_text.prepare([str(tmp_path / "one.txt")], str(tmp_path / "o"),
+                              shards.Tokenizer(), 0.5, 100, log=lambda _: None)
+  assert sum(e["tokens"] for e in meta["splits"]["train"]) == len("the only document") + 1
+  assert not meta["splits"]["val"]

@@ -16,9 +16,11 @@ from sharding import PRESETS, Rules, make_mesh, parse_axis_sizes, sharding_repor
 from toolkit.training.state import param_entries
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
-MODEL_PRESETS = ("tiny", "cpu")
+MODEL_PRESETS = ("tiny", "cpu", "moe_tiny")
 RULES_PRESETS = tuple(PRESETS)
 MESH = "data:1,fsdp:4,tensor:2"
+# A mixture of experts also on an expert axis, where the *_ep presets split its experts.
+MESHES = {"moe_tiny": "data:1,fsdp:2,expert:2,tensor:2"}
 
 
 def golden_path(model: str, preset: str) -> pathlib.Path:
@@ -33,12 +35,12 @@ def entries(model: str) -> tuple:
 
 
 @functools.cache
-def mesh():
-  return make_mesh(parse_axis_sizes(MESH))
+def mesh(model: str):
+  return make_mesh(parse_axis_sizes(MESHES.get(model, MESH)))
 
 
 def report(model: str, preset: str):
-  return sharding_report(entries(model), Rules.preset(preset), mesh())
+  return sharding_report(entries(model), Rules.preset(preset), mesh(model))
 
 
 def resolved_specs(model: str, preset: str) -> dict[str, str]:

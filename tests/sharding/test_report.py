@@ -68,23 +68,51 @@ INTENDED = {
         "layers/attention/wo": "P(None, 'tensor', None, 'fsdp')",
     },
 }
+# The *_ep presets add only the experts' split: a dense model's specs are their base preset's.
+INTENDED["fsdp_ep"], INTENDED["fsdp_tp_ep"] = INTENDED["fsdp"], INTENDED["fsdp_tp"]
+# A mixture of experts' MLP: router (layers, embed, experts), w_gate (layers, experts, embed,
+# mlp), w_down (layers, experts, mlp, embed); the experts split over `expert` only by *_ep.
+INTENDED_MOE_MLP = {
+    "fsdp": {"router": "P(None, 'fsdp')", "w_gate": "P(None, None, 'fsdp')",
+             "w_down": "P(None, None, None, 'fsdp')"},
+    "tp": {"router": "P()", "w_gate": "P(None, None, None, 'tensor')",
+           "w_down": "P(None, None, 'tensor')"},
+    "fsdp_tp": {"router": "P(None, 'fsdp')", "w_gate": "P(None, None, 'fsdp', 'tensor')",
+                "w_down": "P(None, None, 'tensor', 'fsdp')"},
+    "fsdp_ep": {"router": "P(None, 'fsdp', 'expert')", "w_gate": "P(None, 'expert', 'fsdp')",
+                "w_down": "P(None, 'expert', None, 'fsdp')"},
+    "fsdp_tp_ep": {"router": "P(None, 'fsdp', 'expert')",
+                   "w_gate": "P(None, 'expert', 'fsdp', 'tensor')",
+                   "w_down": "P(None, 'expert', 'tensor', 'fsdp')"},
+}
+
+
+def intended(model: str, preset: str) -> dict[str, str]:
+  if not LlamaConfig.preset(model).n_experts:
+    return INTENDED[preset]
+  return {**INTENDED[preset],
+          **{f"layers/mlp/{name}": spec for name, spec in INTENDED_MOE_MLP[preset].items()}}
 
 
 @pytest.mark.parametrize("preset", RULES_PRESETS)
 @pytest.mark.parametrize("model", MODEL_PRESETS)
 def test_golden_matches_the_intent_of_the_preset(model, preset):
   golden = json.loads(regen_golden.golden_path(model, preset).read_text())
+  expected = intended(model, preset) if preset != "dp" else {}
   for path, spec in golden.items():
     if path.endswith("/scale") or preset == "dp":
       assert spec == "P()", (path, spec)  # norms and everything under dp stay replicated
       continue
-    if path in INTENDED[preset]:
-      assert spec == INTENDED[preset][path], path
-    # Every weight matrix has an `embed` dimension, and one of heads/kv_heads/mlp/vocab.
+    if path in expected:
+      assert spec == expected[path], path
+    # Every weight matrix has an `embed` dimension, and one of heads/kv_heads/mlp/vocab (the
+    # router's second is `experts`, which only the *_ep presets split).
     if "fsdp" in preset:
       assert "'fsdp'" in spec, (path, spec)
-    if "tp" in preset:
+    if "tp" in preset and not path.endswith("/router"):
       assert "'tensor'" in spec, (path, spec)
+    if preset.endswith("_ep") and path.endswith(("/router", "/w_gate", "/w_up", "/w_down")):
+      assert ("'expert'" in spec) == bool(LlamaConfig.preset(model).n_experts), (path, spec)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -67,8 +67,29 @@ def test_preset_activation_specs(mesh, preset, case):
   assert Rules.preset(preset).activation_spec(logical_axes, mesh) == expected
 
 
+# Expert parallelism: each *_ep preset is its base preset plus `experts` -> expert, with the
+# batch also split over expert (data parallel outside the experts).
+EP_PRESETS = {"fsdp_ep": "fsdp", "fsdp_tp_ep": "fsdp_tp"}
+
+
 def test_presets_are_exactly_the_documented_ones():
-  assert set(PRESETS) == set(PRESET_ORDER)
+  assert set(PRESETS) == set(PRESET_ORDER) | set(EP_PRESETS)
+
+
+@pytest.mark.parametrize("preset", EP_PRESETS)
+def test_expert_presets_add_only_the_expert_split(preset):
+  mesh = make_mesh([("fsdp", 2), ("expert", 2), ("tensor", 2)])
+  rules, base = Rules.preset(preset), Rules.preset(EP_PRESETS[preset])
+  for case in PARAM_CASES:
+    assert rules.param_spec(case[0], mesh) == base.param_spec(case[0], mesh), case[0]
+  tp = ("tensor",) if preset == "fsdp_tp_ep" else ()
+  assert rules.param_spec(("layers", "experts", "embed", "mlp"), mesh) == P(
+      None, "expert", "fsdp", *tp)
+  assert rules.param_spec(("layers", "embed", "experts"), mesh) == P(None, "fsdp", "expert")
+  assert base.param_spec(("layers", "experts", "embed", "mlp"), mesh) == P(
+      None, None, "fsdp", *tp)
+  assert rules.activation_spec(("batch", "length", "embed"), mesh) == P(("fsdp", "expert"))
+  assert rules.activation_spec(("experts", None, "embed"), mesh) == P("expert")
 
 
 def test_mesh_axes_absent_from_the_mesh_are_dropped():

@@ -23,6 +23,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = "--config=experiments/lm.py:tiny"
+MOE = "--config=experiments/moe.py:tiny"
 PLAN = pathlib.Path(__file__).parent / "fixtures" / "plan.json"  # as toolkit.compile --plan writes
 RUN_TIMEOUT_S = 300  # a tiny run takes ~15 s on 2 shared cores; generous for loaded machines
 MISTAKE_TIMEOUT_S = 120  # mistakes are caught before compiling: ~2-4 s each
@@ -143,6 +144,10 @@ def test_tiny_run_writes_progress_eval_checkpoints_metrics_tensorboard_and_plot(
       goodput["steps_seconds"] / goodput["wall_seconds"])
   assert re.search(r"^goodput \d+\.\d% of [\d.]+ s wall: start-up [\d.]+ s, compile ",
                    result.stdout, re.M), result.stdout
+  # One record per save: how long it blocked the loop, and how long until it was written.
+  saves = [r for r in records if r["kind"] == "checkpoint"]
+  assert [r["step"] for r in saves] == [5, 10], saves
+  assert all(0 < r["blocking_seconds"] < r["seconds"] for r in saves), saves
   assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
   assert (workdir / "loss.png").read_bytes().startswith(b"\x89PNG")
 
@@ -263,12 +268,28 @@ MISTAKES = [
     ("microbatches_do_not_divide_batch", [TINY, "--workdir={W}", "--config.train.microbatches=3"],
      ["train.microbatches=3", "data.global_batch_size=16", "pick a micro-batch count"]),
     ("learning_rate_negative", [TINY, "--workdir={W}", "--config.optimizer.learning_rate=-0.1"],
-     ["optimizer.learning_rate=-0.1", "must be a finite number > 0",
+     ["optimizer.learning_rate=-0.1", "must be a finite number >= 0",
       "give e.g. --config.optimizer.learning_rate="]),
+    # Values that once trained silently (clip_norm -1 reversed the update) or crashed (seed).
+    ("clip_norm_negative", [TINY, "--workdir={W}", "--config.optimizer.clip_norm=-1"],
+     ["optimizer.clip_norm=-1.0 must be a finite number >= 0", "0 turns it off",
+      "give e.g. --config.optimizer.clip_norm=1.0"]),
+    ("beta_above_one", [TINY, "--workdir={W}", "--config.optimizer.b1=1.5"],
+     ["optimizer.b1=1.5 must be a finite number in [0, 1)", "first-moment decay"]),
+    ("seed_beyond_64_bits", [TINY, "--workdir={W}", f"--config.seed={2**70}"],
+     [f"seed={2**70} must be an integer in [0, 2**31 - 1]", "give e.g. --config.seed=0"]),
     ("data_source_unknown", [TINY, "--workdir={W}", "--config.data.source=nosuch"],
      ["data.source='nosuch'", "choose one of stdlib_docs, synthetic"]),
     ("resume_from_missing", [TINY, "--workdir={W}", "--config.train.resume_from={W}/nosuch"],
      ["train.resume_from=", "is not a directory", "give a workdir"]),
+    ("moe_top_k_above_experts",
+     [MOE, "--workdir={W}", "--config.model.experts_per_token=9"],
+     ["model.experts_per_token=9", "model.n_experts=8", "between 1 and"]),
+    ("moe_experts_not_divisible_by_expert_axis",
+     [MOE, "--workdir={W}", "--config.model.n_experts=6"],
+     ["model.n_experts=6", "expert=4", "use a multiple of 4 experts"]),
+    ("moe_dispatch_unknown", [MOE, "--workdir={W}", "--config.model.moe_dispatch=nosuch"],
+     ["model.moe_dispatch='nosuch'", "'dropless' or 'capacity'"]),
     ("checkpoint_of_another_model", [TINY, "--workdir={W}", "--config.model.d_model=64"],
      ["holds a different model", "model.d_model=32 there, 64 here",
       "use a fresh --workdir or --config.model.d_model=32"]),

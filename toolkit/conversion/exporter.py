@@ -102,16 +102,16 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None,
   hf_config = _hf_config(model, config, source)
   start = time.perf_counter()
 
-  def fetch(entry, layer):
+  def fetch(entry, at):
     array = params
     for part in entry.path.split("/"):
       array = array[part]
-    return entry.to_hf(_gather(array if layer is None else array[layer]))
+    return entry.to_hf(_gather(array[at] if at else array))
 
   if jax.process_index() != 0:
     for entry in architecture.tensors(model):  # every process takes part in the gathers
-      for layer in range(model.n_layers) if entry.stacked else [None]:
-        fetch(entry, layer)
+      for at, _ in entry.hf_tensors(model.n_layers):
+        fetch(entry, at)
     return []
   with output.staged(out) as staging:
     written = hf.write_weights(staging, architecture.tensors(model), model.n_layers,

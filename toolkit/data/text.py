@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from toolkit.data.feed import MAX_STEPS, Batch, BatchIterator, Position, local_rows
+from toolkit.errors import ConfigError
 
 
 @functools.cache
@@ -27,6 +28,35 @@ def stdlib_docs_bytes() -> np.ndarray:
 
 def encode(text: str) -> np.ndarray:
   return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+
+def jsonl_lines(path: str):
+  """Yields (where, line) for each non-blank line of a JSONL file, `where` being "PATH line N"
+  for error messages; a line that is not UTF-8 is a ConfigError naming it."""
+  with open(path, "rb") as f:
+    for number, raw in enumerate(f, 1):
+      where = f"{path} line {number}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ConfigError(f"{where} is not UTF-8 ({e.reason} at byte {e.start}); save the "
+                          f"file as UTF-8") from None
+      if line.strip():
+        yield where, line
+
+
+def utf8_problem(text: str) -> str | None:
+  """Why `text` has no UTF-8 encoding, or None. Python strings can hold lone surrogates: an
+  unpaired "\\ud800" escape in JSON, or (U+DC80..U+DCFF) a byte that was not UTF-8 on the
+  command line."""
+  try:
+    text.encode("utf-8")
+    return None
+  except UnicodeEncodeError as e:
+    code = ord(text[e.start])
+    if 0xDC80 <= code <= 0xDCFF:
+      return f"byte 0x{code - 0xDC00:02x} at character {e.start} is not UTF-8"
+    return f"lone surrogate U+{code:04X} at character {e.start}"
 
 
 def decode(tokens) -> str:

@@ -1,8 +1,8 @@
 """The one table of Hugging Face architectures meshkit reads and writes.
 
 Each entry says how config.json maps to a meshkit model config and back, and which HF tensor
-holds each meshkit parameter. A new architecture (say `MixtralForCausalLM` once meshkit has
-mixture-of-experts layers) is one module like `toolkit/hf/llama.py` and one line here.
+holds each meshkit parameter. A new architecture is one module like `toolkit/hf/llama.py`
+(or `mixtral.py`) and one entry here.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from models import LlamaConfig, kind_of
 from toolkit.errors import ConfigError
-from toolkit.hf import llama
+from toolkit.hf import llama, mixtral
 from toolkit.hf.tensors import TensorMap
 
 
@@ -26,6 +26,7 @@ class Architecture:
   head: str                                            # the output head's tensor ...
   embedding: str                                       # ... and the input embedding's
   ignored: tuple[str, ...] = ()                        # regexes of HF tensors to skip
+  moe: bool = False                                    # writes models with n_experts > 0
 
   def is_ignored(self, name: str) -> bool:
     return any(re.fullmatch(pattern, name) for pattern in self.ignored)
@@ -35,6 +36,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     llama.ARCHITECTURE: Architecture(llama.ARCHITECTURE, "llama", llama.model_config,
                                      llama.hf_config, llama.tensors, llama.HEAD,
                                      llama.EMBEDDING, llama.IGNORED),
+    mixtral.ARCHITECTURE: Architecture(mixtral.ARCHITECTURE, "llama", mixtral.model_config,
+                                       mixtral.hf_config, mixtral.tensors, mixtral.HEAD,
+                                       mixtral.EMBEDDING, mixtral.IGNORED, moe=True),
 }
 
 
@@ -52,9 +56,9 @@ def for_hf_config(hf: dict, where: str) -> Architecture:
 
 def for_model(model_cfg) -> Architecture:
   """The entry that writes a meshkit model config's family."""
-  kind = kind_of(model_cfg)
+  kind, moe = kind_of(model_cfg), getattr(model_cfg, "n_experts", 0) > 0
   for architecture in ARCHITECTURES.values():
-    if architecture.kind == kind:
+    if architecture.kind == kind and architecture.moe == moe:
       return architecture
   raise ConfigError(f"model.kind={kind!r} has no Hugging Face architecture to export to; "
-                    f"supported: {', '.join(a.kind for a in ARCHITECTURES.values())}")
+                    f"supported: {', '.join(sorted({a.kind for a in ARCHITECTURES.values()}))}")

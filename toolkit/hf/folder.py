@@ -117,8 +117,8 @@ class HFFolder:
     table = self.architecture.tensors(cfg)
     expected = {}
     for entry in table:
-      for layer in range(cfg.n_layers) if entry.stacked else [None]:
-        expected[entry.hf_name(layer)] = entry.hf_shape
+      for _, name in entry.hf_tensors(cfg.n_layers):
+        expected[name] = entry.hf_shape
     found = self.tensors
     self._check_tied(cfg, found)  # before the general checks: its message says more
     for name, shape in expected.items():

@@ -52,12 +52,15 @@ def _rope(hf: dict, where: str) -> dict:
              for key, name in _LLAMA3_FIELDS.items()}}
 
 
-def model_config(hf: dict, base: LlamaConfig, where: str = "config.json") -> LlamaConfig:
+def model_config(hf: dict, base: LlamaConfig, where: str = "config.json",
+                 model_type: str = MODEL_TYPE, **fields) -> LlamaConfig:
   """meshkit's config for a Llama config.json. Fields Hugging Face does not describe (compute
   dtype, remat, scan, parameter dtype) come from `base`. Refuses, naming the field, what the
-  model cannot compute: biases, another activation, an unsupported RoPE scaling."""
-  if hf.get("model_type", MODEL_TYPE) != MODEL_TYPE:
-    raise ConfigError(f"{where}: model_type={hf.get('model_type')!r} is not {MODEL_TYPE!r}")
+  model cannot compute: biases, another activation, an unsupported RoPE scaling. `model_type`:
+  what config.json must say; `fields`: more of meshkit's fields, validated with the rest
+  (Mixtral's reads its attention and sizes through here and adds its experts)."""
+  if hf.get("model_type", model_type) != model_type:
+    raise ConfigError(f"{where}: model_type={hf.get('model_type')!r} is not {model_type!r}")
   act = hf.get("hidden_act", "silu")
   if act not in ("silu", "swish"):
     raise ConfigError(f"{where}: hidden_act={act!r}; meshkit's Llama MLP is SwiGLU (silu)")
@@ -76,7 +79,7 @@ def model_config(hf: dict, base: LlamaConfig, where: str = "config.json") -> Lla
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       init_std=float(hf.get("initializer_range", base.init_std)), causal=True,
-      **_rope(hf, where))
+      **_rope(hf, where), **fields)
   try:
     cfg.validate("model")
   except ValueError as e:

@@ -9,6 +9,7 @@ machine is host memory too).
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -28,21 +29,21 @@ def _log(message: str) -> None:
 
 
 def read_block(folder: HFFolder, entry: TensorMap, index: tuple[slice, ...],
-               param_dtype: np.dtype) -> np.ndarray:
-  """meshkit's block `index` of parameter `entry` (layers axis first when stacked)."""
-  if not entry.stacked:
-    return entry.read(lambda hf_index: folder.read(entry.name, hf_index), index
-                      ).astype(param_dtype)
-  layers = range(index[0].start, index[0].stop)
-  block = np.empty((len(layers),) + tuple(s.stop - s.start for s in index[1:]), param_dtype)
-  for i, layer in enumerate(layers):
-    name = entry.hf_name(layer)
-    block[i] = entry.read(lambda hf_index, name=name: folder.read(name, hf_index), index[1:])
+               param_dtype: np.dtype, n_layers: int) -> np.ndarray:
+  """meshkit's block `index` of parameter `entry` (its stacked axes first: layers, experts),
+  read one HF tensor at a time."""
+  lead = len(entry.stack_shape(n_layers))
+  ranges = [range(s.start, s.stop) for s in index[:lead]]
+  block = np.empty(tuple(s.stop - s.start for s in index), param_dtype)
+  for at in itertools.product(*ranges):
+    name = entry.hf_name(*at)
+    block[tuple(i - r.start for i, r in zip(at, ranges))] = entry.read(
+        lambda hf_index, name=name: folder.read(name, hf_index), index[lead:])
   return block
 
 
 def read_array(folder: HFFolder, entry: TensorMap, shape: tuple[int, ...],
-               sharding: NamedSharding, param_dtype: np.dtype) -> jax.Array:
+               sharding: NamedSharding, param_dtype: np.dtype, n_layers: int) -> jax.Array:
   """One parameter as a global array in `sharding`, built from per-device slices. Devices
   that hold the same slice (replicated axes) share one read. Not `make_array_from_callback`:
   it collects every device's slice on the host before placing any (jax 0.10.2), i.e. this
@@ -53,7 +54,7 @@ def read_array(folder: HFFolder, entry: TensorMap, shape: tuple[int, ...],
     by_index.setdefault(key, []).append(device)
   pieces = {}
   for key, devices in by_index.items():
-    block = read_block(folder, entry, tuple(slice(*k) for k in key), param_dtype)
+    block = read_block(folder, entry, tuple(slice(*k) for k in key), param_dtype, n_layers)
     for device in devices:
       pieces[device] = jax.device_put(block, device)
     del block  # the devices hold their copies; the host's goes before the next read
@@ -71,12 +72,12 @@ def read_params(folder: HFFolder, cfg: LlamaConfig, shardings: dict,
   start, last_report, done_bytes = time.perf_counter(), 0.0, 0
   total_bytes = sum(_shape_size(e, cfg) for e in table) * param_dtype.itemsize
   for number, entry in enumerate(table, 1):
-    shape = ((cfg.n_layers,) if entry.stacked else ()) + entry.layer_shape
+    shape = entry.stack_shape(cfg.n_layers) + entry.layer_shape
     *parents, leaf = entry.path.split("/")
     node, sharding = params, shardings
     for part in parents:
       node, sharding = node.setdefault(part, {}), sharding[part]
-    node[leaf] = read_array(folder, entry, shape, sharding[leaf], param_dtype)
+    node[leaf] = read_array(folder, entry, shape, sharding[leaf], param_dtype, cfg.n_layers)
     done_bytes += int(np.prod(shape)) * param_dtype.itemsize
     now = time.perf_counter()
     if now - last_report > 2.0 or number == len(table):
@@ -87,4 +88,4 @@ def read_params(folder: HFFolder, cfg: LlamaConfig, shardings: dict,
 
 
 def _shape_size(entry: TensorMap, cfg: LlamaConfig) -> int:
-  return int(np.prod(entry.layer_shape)) * (cfg.n_layers if entry.stacked else 1)
+  return int(np.prod(entry.stack_shape(cfg.n_layers) + entry.layer_shape))

@@ -9,12 +9,14 @@ into meshkit's order. Every conversion, whole or a device's slice, goes through 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 LAYER = "{layer}"  # stands for the layer index in the HF name of a per-layer tensor
+EXPERT = "{expert}"  # and the expert index in the name of a per-expert tensor (Mixtral)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +24,8 @@ class TensorMap:
   """One meshkit parameter <-> one HF tensor (or one per layer, stacked).
 
   path: meshkit's parameter path, e.g. "layers/attention/wq".
-  name: the HF tensor name; LAYER in it marks a per-layer tensor (stacked in meshkit).
+  name: the HF tensor name; LAYER in it marks a per-layer tensor (stacked in meshkit), EXPERT
+    (after LAYER) a per-expert one, stacked along meshkit's next axis (`experts` of them).
   split: for each HF axis, the sizes of the meshkit axes it holds, outermost first;
     q_proj (heads * head_dim, embed) is ((heads, head_dim), (embed,)).
   order: meshkit's axes (after the layers axis) as positions among the split axes;
@@ -32,10 +35,22 @@ class TensorMap:
   name: str
   split: tuple[tuple[int, ...], ...]
   order: tuple[int, ...]
+  experts: int = 0
 
   @property
   def stacked(self) -> bool:
     return LAYER in self.name
+
+  def stack_shape(self, n_layers: int) -> tuple[int, ...]:
+    """meshkit's leading axes that index separate HF tensors: (layers,), (layers, experts)
+    or ()."""
+    return (((n_layers,) if self.stacked else ())
+            + ((self.experts,) if EXPERT in self.name else ()))
+
+  def hf_tensors(self, n_layers: int) -> Iterator[tuple[tuple[int, ...], str]]:
+    """(index into the stacked axes, HF name) of every HF tensor this parameter holds."""
+    for at in itertools.product(*map(range, self.stack_shape(n_layers))):
+      yield at, self.hf_name(*at)
 
   @property
   def hf_shape(self) -> tuple[int, ...]:
@@ -48,8 +63,8 @@ class TensorMap:
     flat = [size for sizes in self.split for size in sizes]
     return tuple(flat[axis] for axis in self.order)
 
-  def hf_name(self, layer: int | None = None) -> str:
-    return self.name.replace(LAYER, str(layer)) if self.stacked else self.name
+  def hf_name(self, layer: int | None = None, expert: int | None = None) -> str:
+    return self.name.replace(LAYER, str(layer)).replace(EXPERT, str(expert))
 
   def to_meshkit(self, array: np.ndarray) -> np.ndarray:
     """One layer's HF tensor -> meshkit's layout."""

@@ -22,30 +22,31 @@ from toolkit.hf.tensors import TensorMap
 
 MAX_SHARD_BYTES = 2 * 10**9  # what transformers' save_pretrained uses ("2GB")
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
-# (entry, layer or None) -> that tensor in HF layout, as a C-contiguous array
-Fetch = Callable[[TensorMap, "int | None"], np.ndarray]
+# (entry, index into its stacked axes: (layer,), (layer, expert) or ()) -> that tensor in HF
+# layout, as a C-contiguous array
+Fetch = Callable[[TensorMap, tuple[int, ...]], np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
 class Planned:
   """One HF tensor to write."""
   entry: TensorMap
-  layer: int | None
+  at: tuple[int, ...]  # index into the entry's stacked axes
   nbytes: int
 
   @property
   def name(self) -> str:
-    return self.entry.hf_name(self.layer)
+    return self.entry.hf_name(*self.at)
 
 
 def plan(table: list[TensorMap], n_layers: int, itemsize: int,
          max_shard_bytes: int = MAX_SHARD_BYTES) -> list[list[Planned]]:
   """The tensors grouped into shards in table order (layers in order), each shard at most
   `max_shard_bytes` unless one tensor alone is bigger."""
-  tensors = [Planned(entry, layer, math.prod(entry.hf_shape) * itemsize)
-             for entry in table for layer in (range(n_layers) if entry.stacked else [None])]
+  tensors = [Planned(entry, at, math.prod(entry.hf_shape) * itemsize)
+             for entry in table for at, _ in entry.hf_tensors(n_layers)]
   shards: list[list[Planned]] = [[]]
-  for tensor in sorted(tensors, key=lambda t: (t.layer is not None, t.layer or 0)):
+  for tensor in sorted(tensors, key=lambda t: (bool(t.at), t.at[:1])):
     if shards[-1] and sum(t.nbytes for t in shards[-1]) + tensor.nbytes > max_shard_bytes:
       shards.append([])
     shards[-1].append(tensor)
@@ -68,7 +69,7 @@ def write_shard(path: str, tensors: list[Planned], dtype_name: str, fetch: Fetch
     f.write(struct.pack("<Q", len(encoded)))
     f.write(encoded)
     for tensor in tensors:
-      array = fetch(tensor.entry, tensor.layer)
+      array = fetch(tensor.entry, tensor.at)
       if array.shape != tensor.entry.hf_shape or array.nbytes != tensor.nbytes:
         raise ValueError(f"{tensor.name}: got shape {array.shape}, {array.nbytes} bytes; "
                          f"planned {tensor.entry.hf_shape}, {tensor.nbytes}")

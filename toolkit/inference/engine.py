@@ -54,6 +54,12 @@ class Engine:
                        f"not {type(model_cfg).__name__}; classifiers use toolkit.predict")
     if cache_length < 2:
       raise RequestError(f"cache_length={cache_length} must be >= 2 (prompt + new tokens)")
+    # A mixture of experts generates dropless whatever it trained with: capacity routing would
+    # make a token's output depend on the other prompts in the batch and on the padding. XLA:CPU
+    # lacks ragged_all_to_all; the ring computes the same outputs.
+    on_cpu = mesh.devices.flat[0].platform == "cpu"
+    model_cfg = dataclasses.replace(model_cfg, moe_dispatch="dropless", **(
+        {"expert_exchange": "ring"} if on_cpu else {}))
     self.model_cfg, self.mesh, self.rules, self.cache_length = model_cfg, mesh, rules, cache_length
     layout = state_lib.layout(model_cfg, optax.identity(), rules, mesh)
     self.graphdef, self.report = layout.graphdef, layout.report

@@ -17,6 +17,7 @@ import time
 import jax
 import ml_collections
 
+from toolkit.data import text
 from toolkit.errors import ConfigError
 from toolkit.inference import engine as engine_lib
 from toolkit.inference.codec import BYTES, Codec
@@ -59,6 +60,8 @@ def run(config: ml_collections.ConfigDict, checkpoint_path: str, *, prompt: str 
   Hugging Face folder, whose EOS ids also end every request)."""
   if (prompt is None) == (prompts_file is None):
     raise ConfigError("give exactly one of --prompt or --prompts_file")
+  if prompt is not None and (problem := text.utf8_problem(prompt)) is not None:
+    raise ConfigError(f"--prompt is not valid UTF-8 text ({problem}); give the prompt in UTF-8")
   if output:
     parent = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(parent):

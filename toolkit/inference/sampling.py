@@ -50,8 +50,9 @@ class SamplingParams:
       raise RequestError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
     if not 0 < self.top_p <= 1:
       raise RequestError(f"top_p={self.top_p} must be in (0, 1] (1 turns it off)")
-    if not _is_int(self.top_k) or self.top_k < 0:
-      raise RequestError(f"top_k={self.top_k!r} must be an integer >= 0 (0 turns it off)")
+    if not _is_int(self.top_k) or not 0 <= self.top_k < 2**31:
+      raise RequestError(f"top_k={self.top_k!r} must be an integer in [0, 2**31) (0 turns it "
+                         f"off)")
     if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
       raise RequestError(f"seed={self.seed!r} must be an integer in [0, 2**32)")
     if len(self.stop_tokens) > MAX_STOP_TOKENS:

@@ -13,29 +13,44 @@ Endpoints:
 
 Threads: aiohttp's event loop parses requests and waits on futures; one batcher thread owns
 the devices and steps the decode batch, admitting queued requests at every step. Bad requests
-get a 4xx with an `error` message and never reach the batcher.
+get a 4xx with an `error` message and never reach the batcher: a body over 1 MiB (413), JSON
+that does not parse or nests deeper than 32 levels, prompt text that is not valid UTF-8
+(a lone surrogate escape), token ids outside the vocabulary, sampling fields out of range
+(400). tests/toolkit/inference/test_serve.py fuzzes it with a few hundred such requests.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import json
+import logging
 import queue
 import threading
 import time
 
 import numpy as np
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
 from toolkit.inference import engine as engine_lib
 from toolkit.inference.codec import BYTE_LEVEL, Codec
-from toolkit.inference.requests import parse_prompt, result_record
+from toolkit.inference.requests import parse_json, parse_prompt, result_record
 from toolkit.inference.sampling import RequestError, SamplingParams
 
 MAX_BODY_BYTES = 1 << 20
 LATENCY_WINDOW = 2048  # recent requests the latency quantiles in /metrics cover
 # /health answers 503 once this many decode steps in a row raised (one can be a bad request).
 UNHEALTHY_AFTER_STEP_ERRORS = 3
+
+
+def _client_mistakes_without_tracebacks(record: logging.LogRecord) -> bool:
+  """A filter for aiohttp's server logger. aiohttp answers an HTTP message it cannot parse
+  (bad framing, an unknown Content-Encoding, a body that does not decode) with a 400 and logs
+  it as an error with a traceback; that is the client's mistake, so it becomes a debug line.
+  Errors of the server itself keep theirs."""
+  error = record.exc_info[1] if record.exc_info else None
+  if isinstance(error, (http_exceptions.HttpProcessingError, web.RequestPayloadError)):
+    record.levelno, record.levelname, record.exc_info = logging.DEBUG, "DEBUG", None
+    record.msg, record.args = f"{record.msg}: %s", (*record.args, " ".join(str(error).split()))
+  return True
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -68,12 +83,19 @@ class Service:
 
   async def generate(self, request: web.Request) -> web.Response:
     try:
-      body = json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      return self._reject(400, f"the body is not valid JSON ({e}); send an object such as "
-                               f'{{"prompt": "The ", "max_tokens": 32}}')
+      raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+      return self._reject(413, f"the body is larger than {MAX_BODY_BYTES} bytes; send one "
+                               f"request per call")
+    except web.RequestPayloadError as e:  # e.g. a body that does not decode as its encoding
+      reason = " ".join(str(e).split()).removeprefix("400, message: ")
+      return self._reject(400, f"the body could not be read ({reason})")
     try:
-      prompt = parse_prompt(body, self.codec)
+      body = parse_json(raw)
+    except RequestError as e:
+      return self._reject(400, f"the body {e}")
+    try:
+      prompt = parse_prompt(body, self.batcher.engine.model_cfg.vocab_size, self.codec)
       fields = {k: v for k, v in body.items() if k not in ("prompt", "tokens", "id")}
       params = self.codec.stop_at_eos(SamplingParams.from_dict(
           fields, self.batcher.engine.model_cfg.vocab_size, self.defaults))
@@ -137,7 +159,7 @@ class Service:
     add("requests_finished_total", "counter", "Requests answered.", c["requests_finished"])
     add("requests_failed_total", "counter", "Requests that failed in generation.",
         c["requests_failed"])
-    for status in (400, 503):
+    for status in (400, 413, 503):
       add("requests_rejected_total", "counter", "Requests refused before queueing.",
           self.counters[f"rejected_{status}"], f'{{status="{status}"}}')
     add("step_errors_total", "counter", "Decode-loop steps that raised (their requests got the "
@@ -182,6 +204,9 @@ class Server:
     self.url = ""
 
   def start(self, timeout_s: float = 60.0) -> Server:
+    server_logger = logging.getLogger("aiohttp.server")
+    if _client_mistakes_without_tracebacks not in server_logger.filters:
+      server_logger.addFilter(_client_mistakes_without_tracebacks)
     self._http_thread.start()
 
     async def listen():

@@ -15,6 +15,7 @@ from jax.experimental import multihost_utils
 
 import sharding
 from models import LlamaConfig
+from toolkit.data import text
 from toolkit.errors import ConfigError
 from toolkit.inference import engine as engine_lib
 from toolkit.inference.codec import BYTE_LEVEL, BYTES, Codec
@@ -89,6 +90,8 @@ def sample_from_checkpoint(workdir: str, prompt: str, num_tokens: int, temperatu
                            seed: int, tokenizer: str = BYTES) -> str:
   """Restores the latest parameters of a training workdir onto one device and continues
   `prompt` (text through `tokenizer`: 'bytes', or a tokenizer.json / Hugging Face folder)."""
+  if (problem := text.utf8_problem(prompt)) is not None:
+    raise ConfigError(f"--prompt is not valid UTF-8 text ({problem}); give the prompt in UTF-8")
   manager, step = open_latest(workdir, "--workdir")
   try:
     config = single_device_config(manager.saved_config(step))

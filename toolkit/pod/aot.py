@@ -281,26 +281,33 @@ FLOPS_NOTE = (
     "sequences, so it is shown but not used. traced: matmul FLOPs (dot_general, 2 per "
     "multiply-add) of the step's jaxpr, the program XLA compiles, with scan bodies counted "
     "length times and remat recomputation included, divided over the devices that split the "
-    "work (batch axes x tensor). model formula: LlamaConfig.flops_per_token x tokens / devices")
+    "work (batch axes x tensor). A mixture of experts' ragged dots count every row of their "
+    "buffer: the ring of experts multiplies the tokens gathered from its expert-axis peers, of "
+    "which its own experts get about 1/(expert ways). model formula: "
+    "LlamaConfig.flops_per_token x tokens / devices (a token's k experts)")
 
 
 def program_flops(jaxpr) -> float:
-  """Matmul FLOPs of a (closed) jaxpr: 2 x multiply-adds of every dot_general, scan bodies
-  times their length, the larger branch of a cond, other sub-jaxprs (pjit, remat,
+  """Matmul FLOPs of a (closed) jaxpr: 2 x multiply-adds of every dot_general (and ragged
+  dot), scan bodies times their length, the larger branch of a cond, a shard_map body (one
+  device's share) times the devices of its mesh, other sub-jaxprs (pjit, remat,
   custom_jvp/vjp) once. A while loop's trip count is unknown here: its body counts once."""
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   total = 0.0
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name == "dot_general":
-      (lhs_contract, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
-      lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
-      out = eqn.outvars[0].aval.shape
-      contracted = math.prod(lhs[i] for i in lhs_contract)
-      total += 2.0 * math.prod(out) * contracted
-      del rhs, lhs_batch
+    if name in ("dot_general", "ragged_dot_general"):
+      # A ragged dot multiplies each row with its group's matrix: counted like a dot whose
+      # rows all belong to a group (the ring's buffer counts whole; see FLOPS_NOTE).
+      numbers = (eqn.params["dimension_numbers"] if name == "dot_general" else
+                 eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers)
+      (lhs_contract, _), _ = numbers
+      lhs, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+      total += 2.0 * math.prod(out) * math.prod(lhs[i] for i in lhs_contract)
     elif name == "scan":
       total += eqn.params["length"] * program_flops(eqn.params["jaxpr"])
+    elif name == "shard_map":
+      total += eqn.params["mesh"].size * program_flops(eqn.params["jaxpr"])
     elif name == "cond":
       total += max(program_flops(b) for b in eqn.params["branches"])
     else:

@@ -19,11 +19,17 @@ Memory (bytes):
   weights_in_use  parameters gathered over fsdp and cast for compute: a layer being used, the
                 next one prefetched and the gradient before it is reduce-scattered, plus the
                 embedding tables
+A mixture of experts (models/moe.py) counts its expert weights at E / (expert ways) per
+device, k experts' hidden activations per token, and in one layer's working set the tokens
+its exchange gathers (the ring: every expert-axis peer's tokens and their k copies).
 Communication (bytes sent per device, ring algorithms): parameter all-gathers over fsdp
 (forward and backward, per micro-batch), gradient reduce-scatter over fsdp and all-reduce over
-the other batch axes, tensor-parallel all-reduces of the residual stream (two per layer
-forward, two backward, two more when `full` remat recomputes them); the part across slices is
-counted for a hierarchical algorithm.
+the other batch axes (not over the expert axes for expert weights, which they split), tensor-
+parallel all-reduces of the residual stream (two per layer forward, two backward, two more
+when `full` remat recomputes them), and per MoE layer the token exchange over the expert axes
+(ring: an all-gather and a reduce-scatter of the tokens; ragged all-to-all or capacity: the
+k assignments there and back), forward, backward and under `full` remat once more; the part
+across slices is counted for a hierarchical algorithm.
 """
 from __future__ import annotations
 
@@ -55,7 +61,7 @@ class Shape:
     return math.prod(self.mesh_shape.values())
 
   def activation_ways(self, logical: str) -> int:
-    return math.prod(self.mesh_shape[a] for a in self.rules.activations[logical]
+    return math.prod(self.mesh_shape[a] for a in self.rules.activations.get(logical, ())
                      if a in self.mesh_shape)
 
   def param_ways(self, logical: str) -> int:
@@ -87,9 +93,22 @@ class Memory:
     return {**dataclasses.asdict(self), "total": self.total}
 
 
-def _layer_matmul_params(m: LlamaConfig) -> int:
-  hd = m.resolved_head_dim
-  return m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.d_model * m.mlp_dim
+def _moe_share(m: LlamaConfig) -> float:
+  """The fraction of layers that are mixtures of experts."""
+  return m.n_moe_layers / m.n_layers
+
+
+def _experts_per_token(m: LlamaConfig) -> float:
+  """MLP widths a token uses per layer, averaged over layers (1 for a dense model)."""
+  return 1 + (m.experts_per_token - 1) * _moe_share(m)
+
+
+def _layer_weights_per_device(shape: Shape) -> float:
+  """Matmul weights of one (average) layer a device computes with, before tensor splits:
+  all of them, but only its own E / (expert ways) experts."""
+  m = shape.model
+  experts = _moe_share(m) * m.n_experts * 3 * m.d_model * m.mlp_dim
+  return m.layer_matmul_params() - experts + experts / shape.activation_ways("experts")
 
 
 def _per_token_layer_bytes(shape: Shape, policy: str) -> float:
@@ -99,15 +118,16 @@ def _per_token_layer_bytes(shape: Shape, policy: str) -> float:
   d, hd = m.d_model, m.resolved_head_dim
   heads = m.n_heads * hd / shape.activation_ways("heads")
   kv = 2 * m.n_kv_heads * hd / shape.activation_ways("kv_heads")
-  mlp = m.mlp_dim / shape.activation_ways("mlp")
+  mlp = _experts_per_token(m) * m.mlp_dim / shape.activation_ways("mlp")
   carry = d * a
   if policy == "full":
     return carry
   if policy == "save_dots":
     return carry + a * (heads + kv + d + 2 * mlp + d)
   probabilities = (m.n_heads / shape.activation_ways("heads")) * shape.seq_len * (4 + a)
-  return (carry + a * (d + 2 * (heads + kv) + heads + 3 * d + 4 * mlp) + probabilities
-          + 2 * 4 * d)  # the norms' float32 intermediates
+  exchanged = _moe_share(m) * shape.activation_ways("experts") * (1 + m.experts_per_token) * d
+  return (carry + a * (d + 2 * (heads + kv) + heads + 3 * d + 4 * mlp + exchanged)
+          + probabilities + 2 * 4 * d)  # the norms' float32 intermediates
 
 
 def memory(shape: Shape) -> Memory:
@@ -125,7 +145,7 @@ def memory(shape: Shape) -> Memory:
   logits = tokens * vocab * (4 + 4 + a)
   tensor = shape.param_ways("mlp")
   tables = 1 if m.tie_embeddings else 2
-  weights_in_use = a * (3 * _layer_matmul_params(m) / tensor
+  weights_in_use = a * (3 * _layer_weights_per_device(shape) / tensor
                         + tables * m.vocab_size * m.d_model / shape.param_ways("vocab"))
   return Memory(params=params, optimizer=2 * params, gradients=gradients,
                 activations=activations, logits=logits, weights_in_use=weights_in_use)
@@ -147,7 +167,8 @@ def executed_flops_per_device(shape: Shape) -> float:
   if m.remat == "full":
     # Recomputed: every layer matmul but the MLP's down projection, whose output the backward
     # pass does not need; and the attention scores and values.
-    per_token += (2 * m.n_layers * (_layer_matmul_params(m) - m.d_model * m.mlp_dim)
+    down = m.d_model * m.mlp_dim * _experts_per_token(m)
+    per_token += (2 * m.n_layers * (m.layer_matmul_params(active=True) - down)
                   + attention_forward)
   elif m.remat == "save_dots":
     per_token += attention_forward
@@ -167,7 +188,6 @@ def communication(shape: Shape) -> tuple[float, float]:
   batch_axes = [x for x in shape.rules.activations["batch"] if x in mesh]
   # Gradients are reduced over batch axes the parameters are not split over.
   replica_axes = [x for x in batch_axes if x not in fsdp_axes]
-  r = math.prod(mesh[x] for x in replica_axes)
   micro = shape.microbatches
   ici = dcn_bytes = 0.0
 
@@ -184,19 +204,45 @@ def communication(shape: Shape) -> tuple[float, float]:
     within = scale * volume * (inside - 1) / inside if inside > 1 else 0.0
     return within, across
 
+  # Expert weights split over the expert axes: a device gathers and reduces only its own.
+  expert_axes = [x for x in shape.rules.params.get("experts", ()) if x in mesh]
+  ep = math.prod(mesh[x] for x in expert_axes)
+  experts = m.n_moe_layers * m.n_experts * 3 * m.d_model * m.mlp_dim
+  held = n - experts + experts / ep          # parameters per fsdp x tensor group
   if f > 1:
-    for volume, scale in ((n / t * a, 2.0 * micro), (n / t * p, 1.0 * micro)):
+    for volume, scale in ((held / t * a, 2.0 * micro), (held / t * p, 1.0 * micro)):
       i, d = split(volume, fsdp_axes, scale)  # all-gathers; the gradient reduce-scatter
       ici, dcn_bytes = ici + i, dcn_bytes + d
-  if r > 1:
-    i, d = split(n / (f * t) * p, replica_axes, 2.0 * micro)
+  for params, axes in ((n - experts, replica_axes),
+                       (experts / ep, [x for x in replica_axes if x not in expert_axes])):
+    i, d = split(params / (f * t) * p, axes, 2.0 * micro)
     ici, dcn_bytes = ici + i, dcn_bytes + d
+  passes = {"full": 3, "save_dots": 2, "none": 2}[m.remat]   # forward, backward, recompute
+  i, d = split(_exchanged_bytes(shape), [x for x in shape.rules.activations.get("experts", ())
+                                         if x in mesh], passes * micro)
+  ici, dcn_bytes = ici + i, dcn_bytes + d
   tensor = shape.activation_ways("mlp")
   if tensor > 1:
     per_layer = {"full": 6, "save_dots": 4, "none": 4}[m.remat]
     volume = shape.tokens_per_device * m.d_model * a
     ici += per_layer * m.n_layers * micro * 2 * volume * (tensor - 1) / tensor
   return ici, dcn_bytes
+
+
+def _exchanged_bytes(shape: Shape) -> float:
+  """Bytes per device that the MoE layers' token exchange carries in one forward pass, as a
+  collective volume (split() applies the (n-1)/n of the ring)."""
+  m = shape.model
+  ways = shape.activation_ways("experts")
+  if not m.n_experts or ways <= 1:
+    return 0.0
+  tokens = shape.tokens_per_device * m.d_model * _BYTES[m.compute_dtype]
+  if m.moe_dispatch == "dropless" and m.expert_exchange == "ring":
+    per_layer = 2 * tokens * ways                   # all-gather in, reduce-scatter out
+  else:
+    factor = m.capacity_factor if m.moe_dispatch == "capacity" else 1.0
+    per_layer = 2 * tokens * m.experts_per_token * factor      # there and back
+  return m.n_moe_layers * per_layer
 
 
 def step_seconds(flops_per_device: float, ici_bytes: float, dcn_bytes: float,

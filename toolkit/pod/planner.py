@@ -3,7 +3,9 @@ policy and micro-batch count to train a config with on a target, decided by comp
 
   1. enumerate: meshes data x fsdp x tensor over one slice's devices (across slices the DCN
      axis is data, or fsdp for presets that shard parameters) x presets dp, fsdp, tp, fsdp_tp
-     (each on the meshes where all its axes do work: dp on data only, fsdp without tensor, ...)
+     (each on the meshes where all its axes do work: dp on data only, fsdp without tensor, ...);
+     for a mixture of experts also x expert (sizes dividing n_experts) with fsdp_ep and
+     fsdp_tp_ep on the meshes that have one
      x remat none, save_dots, full x micro-batch counts (1 to 64, those that divide the batch);
   2. lint each (the config's own validation and the sharding rules, plus activation
      dimensions vs their mesh axes) and estimate it (`toolkit.pod.estimate`); prune those whose
@@ -36,7 +38,7 @@ from toolkit.pod import aot, estimate, plan as plan_lib
 from toolkit.errors import ConfigError
 from toolkit.pod.target import Target
 
-PRESETS = ("dp", "fsdp", "tp", "fsdp_tp")
+PRESETS = ("dp", "fsdp", "tp", "fsdp_tp", "fsdp_ep", "fsdp_tp_ep")
 REMATS = ("none", "save_dots", "full")
 MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 TIE = 0.01  # step times within 1 % of the fastest are ties: the least memory wins
@@ -105,16 +107,24 @@ def enumerate_candidates(config: ml_collections.ConfigDict, target: Target,
                          microbatches: Sequence[int] = MICROBATCHES) -> list[Candidate]:
   """Every mesh x preset x remat x micro-batch count worth trying on `target`."""
   per_slice = len(target.devices) // target.slices
+  # A mixture of experts also splits its experts over an expert axis (sizes dividing both).
+  n_experts = config.model.get("n_experts", 0)
+  expert_sizes = [e for e in _divisors(per_slice) if n_experts % e == 0] if n_experts else [1]
   meshes = []
-  for tensor in _divisors(per_slice):
-    for fsdp in _divisors(per_slice // tensor):
-      data = per_slice // (tensor * fsdp)
+  for expert, tensor in ((e, t) for e in expert_sizes for t in _divisors(per_slice // e)):
+    for fsdp in _divisors(per_slice // (expert * tensor)):
+      data = per_slice // (expert * tensor * fsdp)
       for preset in presets:
         # Each preset on the meshes where every axis does work: the others repeat one.
         wanted = {"dp": fsdp == 1 and tensor == 1, "fsdp": tensor == 1 and fsdp > 1,
-                  "tp": fsdp == 1 and tensor > 1, "fsdp_tp": fsdp > 1 and tensor > 1}
+                  "tp": fsdp == 1 and tensor > 1, "fsdp_tp": fsdp > 1 and tensor > 1,
+                  "fsdp_ep": tensor == 1, "fsdp_tp_ep": tensor > 1}
+        if preset.endswith("_ep") != (expert > 1):
+          continue  # the *_ep presets exactly on meshes with an expert axis
         if wanted[preset] or (preset in ("fsdp", "fsdp_tp") and per_slice == 1):
-          meshes.append((preset, {"data": data, "fsdp": fsdp, "tensor": tensor}))
+          mesh = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
+          meshes.append((preset, mesh if n_experts else
+                         {k: v for k, v in mesh.items() if k != "expert"}))
   dcn_axes = ["data"] if target.slices > 1 else [""]
   batch = config.data.global_batch_size
   found = []
@@ -138,7 +148,8 @@ def _activation_lint(shape: estimate.Shape) -> str | None:
   m = shape.model
   rows = shape.global_batch_size // shape.microbatches
   sizes = {"batch": rows, "heads": m.n_heads, "kv_heads": m.n_kv_heads, "mlp": m.mlp_dim,
-           "vocab": m.vocab_size, "embed": m.d_model, "length": shape.seq_len}
+           "vocab": m.vocab_size, "embed": m.d_model, "length": shape.seq_len,
+           "experts": m.n_experts}
   for name, size in sizes.items():
     ways = shape.activation_ways(name)
     if size % ways:

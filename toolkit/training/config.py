@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 import sharding
 from models import KINDS, LlamaConfig
+from toolkit.data import text
 from toolkit.errors import ConfigError
 from toolkit.training import init_from
 from toolkit.training.profiler import parse_profile_steps
@@ -59,8 +60,174 @@ def defaults() -> ml_collections.ConfigDict:
       # resume_from has a checkpoint: "hf:DIR", a Hugging Face model folder (toolkit/hf).
       init_from="",
       # "START:STOP": a jax.profiler trace of steps START..STOP-1 in workdir/profile.
-      profile_steps=""))
+      profile_steps="",
+      # Classifiers: train against targets (1 - s) * one_hot + s / classes (0: off).
+      label_smoothing=0.0))
   return c
+
+
+# --- every numeric field's valid range: one row per field ----------------------------------
+# `resolve` checks each numeric value of a config against its row, before anything else;
+# tests/toolkit/training/test_config.py fails for a numeric field of any experiment that has no
+# row here, so a new field cannot be forgotten: add `"section.name": Range(...)` with what the
+# value means. Bounds are inclusive unless marked open; every float must also be finite.
+
+INT32_MAX = 2**31 - 1  # step counters, seeds and warmups live in int32 arrays
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """low <= value <= high (or < when open); `integer` values must be ints; `meaning` is
+  what the field is, shown in the error."""
+  low: float
+  high: float = math.inf
+  meaning: str = ""
+  low_open: bool = False
+  high_open: bool = False
+  integer: bool = False
+
+  def contains(self, value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      return False
+    if self.integer and not isinstance(value, int):
+      return False
+    if isinstance(value, float) and not math.isfinite(value):
+      return False
+    above = value > self.low if self.low_open else value >= self.low
+    below = value < self.high if self.high_open else value <= self.high
+    return above and below
+
+  def __str__(self) -> str:
+    kind = "an integer" if self.integer else "a finite number"
+    if self.high == math.inf:
+      return f"{kind} {'>' if self.low_open else '>='} {_number(self.low)}"
+    return (f"{kind} in {'(' if self.low_open else '['}{_number(self.low)}, "
+            f"{_number(self.high)}{')' if self.high_open else ']'}")
+
+
+def _number(value: float) -> str:
+  return "2**31 - 1" if value == INT32_MAX else f"{value:g}"
+
+
+def count(meaning: str, low: int = 1) -> Range:
+  """An integer count, `low` (default 1) up to what an int32 holds."""
+  return Range(low, INT32_MAX, meaning, integer=True)
+
+
+def positive(meaning: str) -> Range:
+  return Range(0.0, meaning=meaning, low_open=True)
+
+
+def fraction(meaning: str, low_open: bool = False, high_open: bool = False) -> Range:
+  return Range(0.0, 1.0, meaning, low_open=low_open, high_open=high_open)
+
+
+RANGES: dict[str, Range] = {
+    "seed": count("the run's random seed; JAX keys take 32 bits", low=0),
+    # model (llama and vit share most fields)
+    "model.vocab_size": count("tokens in the vocabulary"),
+    "model.d_model": count("width of the residual stream"),
+    "model.n_layers": count("transformer blocks"),
+    "model.n_heads": count("attention heads"),
+    "model.n_kv_heads": count("key/value heads"),
+    "model.head_dim": count("width of one head; 0 means d_model // n_heads", low=0),
+    "model.mlp_dim": count("hidden width of the MLP"),
+    "model.rope_theta": positive("rotary embedding base"),
+    # Llama 3 rotary scaling (used when model.rope_type='llama3'; the model also checks that
+    # rope_low_freq_factor < rope_high_freq_factor)
+    "model.rope_factor": Range(1.0, meaning="what long-wavelength frequencies are divided by"),
+    "model.rope_low_freq_factor": positive("wavelengths beyond original positions / this are "
+                                           "scaled"),
+    "model.rope_high_freq_factor": positive("wavelengths below original positions / this are "
+                                            "kept"),
+    "model.rope_original_max_positions": count("context length the model was trained at"),
+    "model.norm_eps": positive("RMSNorm epsilon"),
+    "model.init_std": positive("standard deviation of the initial weights"),
+    "model.image_size": count("image height and width in pixels"),
+    "model.patch_size": count("patch height and width in pixels"),
+    "model.channels": count("image channels"),
+    "model.num_classes": count("classes"),
+    # mixture of experts (models/moe.py; the model also checks experts_per_token <= n_experts
+    # and that moe_every divides n_layers)
+    "model.n_experts": count("experts in a mixture-of-experts layer; 0 is a dense model", low=0),
+    "model.experts_per_token": count("experts the router picks for each token"),
+    "model.moe_every": count("every n-th layer is a mixture of experts"),
+    "model.capacity_factor": positive("slots per expert as a multiple of its even share "
+                                      "(capacity dispatch)"),
+    "model.load_balance_weight": Range(0.0, meaning="weight of the router's load-balancing loss"),
+    "model.router_z_weight": Range(0.0, meaning="weight of the router's z-loss"),
+    # sharding
+    "sharding.max_replicated_fraction": fraction("share of parameter bytes that may be "
+                                                 "replicated before the run warns or fails"),
+    # data
+    "data.seq_len": count("tokens per training sequence"),
+    "data.global_batch_size": count("sequences (or images) per step over all devices"),
+    "data.eval_batches": count("held-out batches per eval"),
+    "data.eval_fraction": fraction("share of the text held out", low_open=True, high_open=True),
+    "data.worker_count": count("Grain worker processes; 0 reads in this process", low=0),
+    "data.prefetch": count("batches prepared ahead", low=0),
+    "data.crop_padding": count("pixels of padding before the random crop; 0 is off", low=0),
+    "data.mean": Range(-math.inf, math.inf, "pixel mean subtracted (pixels in [0, 1])"),
+    "data.std": positive("pixel standard deviation divided by"),
+    # optimizer
+    "optimizer.learning_rate": Range(0.0, meaning="peak learning rate"),
+    "optimizer.min_lr_ratio": fraction("final learning rate as a share of the peak"),
+    "optimizer.warmup_steps": count("steps of linear warmup", low=0),
+    "optimizer.b1": fraction("Adam's first-moment decay", high_open=True),
+    "optimizer.b2": fraction("Adam's second-moment decay", high_open=True),
+    "optimizer.eps": positive("Adam's epsilon"),
+    "optimizer.weight_decay": Range(0.0, meaning="AdamW weight decay"),
+    "optimizer.clip_norm": Range(0.0, meaning="global gradient-norm clip; 0 turns it off"),
+    "optimizer.schedule_steps": count("length of the schedule; 0 means train.steps", low=0),
+    # train
+    "train.steps": count("steps to train"),
+    "train.microbatches": count("micro-batches each step's batch is split into"),
+    "train.log_every": count("steps between progress lines"),
+    "train.eval_every": count("steps between evals"),
+    "train.checkpoint_every": count("steps between checkpoints"),
+    "train.keep_checkpoints": count("checkpoints kept"),
+    "train.peak_flops_per_device": Range(0.0, meaning="peak FLOP/s of one device for MFU; 0 "
+                                                      "looks it up from the device kind"),
+    "train.sample_tokens": count("tokens sampled after training; 0 is off", low=0),
+    "train.label_smoothing": fraction("share of each classifier target's weight spread evenly "
+                                      "over all classes", high_open=True),
+}
+
+
+def numeric_fields(config: ml_collections.ConfigDict, prefix: str = "") -> dict[str, float]:
+  """Dotted path -> value of every int or float field (bools are not numbers here)."""
+  found = {}
+  for key, value in config.items():
+    path = f"{prefix}{key}"
+    if isinstance(value, ml_collections.ConfigDict):
+      found.update(numeric_fields(value, path + "."))
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+      found[path] = value
+  return found
+
+
+def check_ranges(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError for the first numeric field outside its row of RANGES, naming the
+  field, the valid range, what the field means and a value that works."""
+  for path, value in numeric_fields(config).items():
+    allowed = RANGES.get(path)
+    if allowed is None or allowed.contains(value):
+      continue
+    example = _default_value(path, config)
+    fix = f"; give e.g. --config.{path}={example}" if allowed.contains(example) else ""
+    raise ConfigError(f"{path}={value!r} must be {allowed} ({allowed.meaning}){fix}")
+
+
+def _default_value(path: str, config: ml_collections.ConfigDict):
+  """The value `path` has by default: defaults(), or the model family's dataclass."""
+  section, _, name = path.rpartition(".")
+  if section == "model":
+    cls = KINDS.get(config.model.get("kind", "llama"), KINDS["llama"])[0]
+    return getattr(cls(), name, None)
+  node = defaults()
+  for key in path.split("."):
+    node = node.get(key) if isinstance(node, ml_collections.ConfigDict) else None
+  return node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,15 +254,13 @@ def resolve(config: ml_collections.ConfigDict,
     if key not in known:
       raise ConfigError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}; "
                         f"remove it from the experiment's get_config or fix its name")
+  check_ranges(config)
   model = model_config(config.model)
   mesh = _mesh(config.mesh, devices)
   s = config.sharding
   rules = sharding.Rules.preset(s.preset, s.param_overrides, s.activation_overrides)
   if s.replicated_action not in ("warn", "fail"):
     raise ConfigError(f"sharding.replicated_action={s.replicated_action!r}; use 'warn' or 'fail'")
-  if not 0 <= s.max_replicated_fraction <= 1:
-    raise ConfigError(f"sharding.max_replicated_fraction={s.max_replicated_fraction} must be in "
-                      f"[0, 1]")
 
   d = config.data
   kind = config.model.get("kind", "llama")
@@ -103,31 +268,20 @@ def resolve(config: ml_collections.ConfigDict,
   if d.source not in _SOURCES[task]:
     raise ConfigError(f"data.source={d.source!r} does not fit model.kind={kind!r} "
                       f"({task}); choose one of {', '.join(_SOURCES[task])}")
-  # Configs saved before these data fields existed (older checkpoints) lack them: defaults.
-  new = {key: d.get(key, value) for key, value in defaults().data.items()}
-  if d.source in ("tokens", "npz", "image_folder") and not new["path"]:
+  # Configs saved before data.path existed (older checkpoints) lack it.
+  if d.source in ("tokens", "npz", "image_folder") and not d.get("path", ""):
     raise ConfigError(f"data.source={d.source!r} needs data.path: give "
                       f"--config.data.path=" + ("a folder written by scripts/prepare_text.py"
                                                 if d.source == "tokens" else "the "
                                                 + d.source.replace("_", " ")))
-  if new["worker_count"] < 0 or new["prefetch"] < 0 or new["crop_padding"] < 0:
-    raise ConfigError(f"data.worker_count={new['worker_count']}, data.prefetch="
-                      f"{new['prefetch']} and data.crop_padding={new['crop_padding']} must be >= 0")
-  if not new["std"] > 0:
-    raise ConfigError(f"data.std={new['std']} must be > 0 (images are (x - mean) / std)")
   if d.source == "stdlib_docs" and model.vocab_size < 256:
     raise ConfigError(f"model.vocab_size={model.vocab_size} is below 256, the byte-level "
                       f"vocabulary of data.source='stdlib_docs'; set model.vocab_size>=256")
-  _positive(d, "data", "seq_len", "global_batch_size", "eval_batches")
-  if not 0 < d.eval_fraction < 1:
-    raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be between 0 and 1 "
-                      f"(exclusive); e.g. 0.1 holds out a tenth of the text")
-  batch_spec = rules.activation_spec(("batch",), mesh)
-  batch_axes = [a for e in batch_spec if e for a in ((e,) if isinstance(e, str) else e)]
+  batch_axes = _mesh_axes(rules.activation_spec(("batch",), mesh))
   batch_ways = math.prod(mesh.shape[a] for a in batch_axes)
+  if getattr(model, "n_experts", 0):
+    _check_experts(model, mesh, rules, s.preset)
   t = config.train
-  _positive(t, "train", "steps", "microbatches", "log_every", "eval_every", "checkpoint_every",
-            "keep_checkpoints")
   if d.global_batch_size % t.microbatches:
     raise ConfigError(
         f"data.global_batch_size={d.global_batch_size} is not divisible by train.microbatches="
@@ -139,21 +293,15 @@ def resolve(config: ml_collections.ConfigDict,
         f"data.global_batch_size={d.global_batch_size} (micro-batch {micro}) is not divisible by "
         f"the batch-sharding axes {axes} ({batch_ways} ways); use a multiple of "
         f"{batch_ways * t.microbatches}")
-  o = config.optimizer
-  if o.schedule_steps < 0:
-    raise ConfigError(f"optimizer.schedule_steps={o.schedule_steps} must be >= 0 (0 means "
-                      f"train.steps)")
-  if not (o.learning_rate > 0 and math.isfinite(o.learning_rate)):  # also catches nan
-    raise ConfigError(f"optimizer.learning_rate={o.learning_rate} must be a finite number > 0; "
-                      f"give e.g. --config.optimizer.learning_rate=3e-3")
+  if (problem := text.utf8_problem(t.get("sample_prompt", ""))) is not None:
+    raise ConfigError(f"train.sample_prompt is not valid UTF-8 text ({problem}); give the "
+                      f"prompt in UTF-8")
   if t.resume_from and not os.path.isdir(t.resume_from):
     raise ConfigError(f"train.resume_from={t.resume_from!r} is not a directory; give a workdir "
                       f"or its checkpoints/ folder")
   init_from.parse(t.get("init_from", ""))  # absent from configs saved before it existed
-  if t.peak_flops_per_device < 0:
-    raise ConfigError(f"train.peak_flops_per_device={t.peak_flops_per_device} must be >= 0; "
-                      f"0 looks the peak up from the device kind")
   parse_profile_steps(t.get("profile_steps", ""), t.steps)  # a bad window: ConfigError
+  _check_label_smoothing(t.get("label_smoothing", 0.0), task, kind)  # absent: saved before it
   return RunSpec(model=model, mesh=mesh, rules=rules, batch_ways=batch_ways, task=task)
 
 
@@ -171,6 +319,13 @@ def _mesh(section: ml_collections.ConfigDict, devices: Sequence[jax.Device] | No
         f"(XLA_FLAGS=--xla_force_host_platform_device_count=8; the toolkit commands do it from "
         f"the mesh, toolkit.runtime.simulate_cpu_devices in Python) or fit the mesh to the "
         f"{len(found)} device(s) there are: --config.mesh.ici=fsdp:-1") from None
+
+
+def _check_label_smoothing(smoothing: float, task: str, kind: str) -> None:
+  # its range is checked with the others (RANGES)
+  if smoothing and task != "classification":
+    raise ConfigError(f"train.label_smoothing={smoothing} applies to classifiers "
+                      f"(model.kind='vit'); set it to 0 for model.kind={kind!r}")
 
 
 def model_config(section: ml_collections.ConfigDict):
@@ -193,8 +348,37 @@ def model_config(section: ml_collections.ConfigDict):
   return model
 
 
-def _positive(section: ml_collections.ConfigDict, name: str, *fields: str) -> None:
-  for field in fields:
-    if getattr(section, field) < 1:
-      raise ConfigError(f"{name}.{field}={getattr(section, field)} must be >= 1; give a positive "
-                        f"integer")
+def _mesh_axes(spec) -> list[str]:
+  """The mesh axes of a one-dimensional PartitionSpec, in order."""
+  return [a for e in spec if e for a in ((e,) if isinstance(e, str) else e)]
+
+
+def _check_experts(model, mesh: Mesh, rules: sharding.Rules, preset: str) -> None:
+  """Mixture-of-experts layouts that would fail, or quietly give up the expert axis."""
+  placed = {role: _mesh_axes(spec(("experts",), mesh)) for role, spec in
+            (("parameters", rules.param_spec), ("activations", rules.activation_spec))}
+  split = "x".join(f"{a}={mesh.shape[a]}" for a in placed["activations"])
+  ways = math.prod(mesh.shape[a] for a in placed["activations"])
+  if model.n_experts % ways:
+    raise ConfigError(f"model.n_experts={model.n_experts} is not divisible by the mesh axes the "
+                      f"experts are split over ({split}, {ways} ways); use a multiple of {ways} "
+                      f"experts or a smaller expert axis in mesh.ici")
+  if mesh.shape.get("expert", 1) > 1 and not all("expert" in axes for axes in placed.values()):
+    unplaced = [role for role, axes in placed.items() if "expert" not in axes]
+    raise ConfigError(
+        f"mesh has expert={mesh.shape['expert']} but sharding.preset={preset!r} does not split "
+        f"the experts' {' and '.join(unplaced)} over it, so every device would hold and run "
+        f"every expert; use sharding.preset=fsdp_ep or fsdp_tp_ep, or map experts=expert in "
+        f"sharding.param_overrides and sharding.activation_overrides")
+  token_axes = _mesh_axes(rules.activation_spec(("batch", "length"), mesh))
+  shared = [a for a in placed["activations"] if a in token_axes]
+  if shared and len(shared) < len(placed["activations"]):
+    raise ConfigError(f"the experts are split over {split} but the batch only over "
+                      f"{'+'.join(shared)} of those axes; split the batch over all of them or "
+                      f"none (sharding.activation_overrides)")
+  if (model.moe_dispatch == "dropless" and model.expert_exchange == "ragged_all_to_all"
+      and shared and mesh.devices.flat[0].platform == "cpu"):
+    raise ConfigError("model.expert_exchange='ragged_all_to_all' does not run on XLA:CPU (jax "
+                      "0.10); use model.expert_exchange=ring on CPU, or compile for a TPU with "
+                      "python -m toolkit.compile")
+

@@ -1,6 +1,6 @@
 """Starting a run from existing weights with a fresh optimizer: `train.init_from`.
 
-Resume order (the rest is in `checkpoint.find_resume_point`): the workdir's latest checkpoint
+Resume order (the rest is in `resume.py`): the workdir's latest checkpoint
 -> `train.resume_from` -> `train.init_from` -> scratch. `train.init_from=hf:DIR` reads a
 Hugging Face model folder (`toolkit.hf`) straight into the parameters' shardings; the
 optimizer starts fresh at step 0.

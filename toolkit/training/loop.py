@@ -19,9 +19,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from toolkit.errors import ConfigError
-from toolkit.training import checkpoint, goodput as goodput_lib, init_from
-from toolkit.training import metrics as metrics_lib, profiler as profiler_lib
-from toolkit.training import state as state_lib, step as step_lib, tasks
+from toolkit.training import checkpoint, goodput as goodput_lib, init_from, integrity
+from toolkit.training import metrics as metrics_lib, profiler as profiler_lib, resume
+from toolkit.training import state as state_lib, step as step_lib, storage, tasks
 from toolkit.training.setup import Setup, build, peak_flops_per_device, work_per_step
 
 
@@ -108,13 +108,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
   with goodput.phase("startup"):
     setup = build(config, devices)
     hf_folder = init_from.source(config, setup.spec.model, workdir)  # checked, or None
-    prepare_workdir(workdir)
+    prepare_workdir(workdir, checkpoint_bytes(setup))
     log_setup(config, setup)
 
-    # --- restore or init ---------------------------------------------------------------------
+    # --- restore or init: the newest checkpoint that restores (damaged ones set aside) -------
     checkpoints = checkpoint.Checkpoints(os.path.join(workdir, "checkpoints"),
                                          keep=config.train.keep_checkpoints)
-    state, data_position = restore_or_init(config, setup, checkpoints, hf_folder)
+    state, data_position = resume.restore_or_init(config, setup, checkpoints, log, hf_folder)
     start_step = int(jax.device_get(state["step"]))
   result = RunResult(final_step=start_step, train_losses={}, eval_losses={},
                      stopped_early=False)
@@ -122,8 +122,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
     checkpoints.close()
     return nothing_to_train(config, start_step, result)
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
+    write_config(config, os.path.join(workdir, "config.json"))
 
   # --- compile once --------------------------------------------------------------------------
   with goodput.phase("compile"):
@@ -135,12 +134,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
                 profiler=profiler_lib.StepProfiler(profiler_lib.parse_profile_steps(
                     config.train.get("profile_steps", ""), config.train.steps), workdir, log))
   try:
-    try:
-      state = train_loop(current, state, train_step, start_step, data_position)
-    finally:
-      current.profiler.close()
-      with goodput.phase("checkpoint"):  # the last async save finishing
-        checkpoints.close()
+    state = train_loop(current, state, train_step, start_step, data_position)
+  except BaseException as e:
+    close_outputs(current, failure=e)
+    raise
+  try:
+    close_outputs(current)
     # --- finish: plots, a sample, where the time went ----------------------------------------
     current.result.step_traces = setup.step.traces
     write_plots(current, workdir)
@@ -155,7 +154,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
 
 # --- setup ----------------------------------------------------------------------------------
 
-def prepare_workdir(workdir: str) -> None:
+def prepare_workdir(workdir: str, checkpoint_size: int | None = None) -> None:
+  """Creates the workdir and checks that it and its checkpoints/ folder can be written (without
+  writing: a refused run leaves an existing workdir as it was); with `checkpoint_size` (bytes)
+  warns when free space is below two checkpoints."""
   from toolkit import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   if (problem := workdir_lib.problem(workdir)) is not None:
     raise ConfigError(problem)
@@ -164,8 +166,27 @@ def prepare_workdir(workdir: str) -> None:
   except OSError as e:
     raise ConfigError(f"--workdir={workdir!r} cannot be created ({e.strerror}); choose a "
                       f"writable directory") from None
-  if not os.access(workdir, os.W_OK | os.X_OK):
-    raise ConfigError(f"--workdir={workdir!r} is not writable; choose a writable directory")
+  storage.check_writable(workdir)
+  if checkpoint_size is None:
+    return
+  checkpoints = os.path.join(workdir, "checkpoints")
+  storage.check_writable(checkpoints)
+  if (warning := storage.free_space_warning(checkpoints, checkpoint_size)) is not None:
+    log(f"warning: {warning}")
+
+
+def write_config(config: ml_collections.ConfigDict, path: str) -> None:
+  try:
+    with open(path, "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+  except OSError as e:
+    raise storage.StorageError(f"{path} cannot be written ({storage.cause(e)}); "
+                               f"{storage.fix(e)}") from None
+
+
+def checkpoint_bytes(setup: Setup) -> int:
+  """Bytes of one checkpoint: the whole train state (parameters and optimizer moments)."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(setup.layout.abstract))
 
 
 def log_setup(config: ml_collections.ConfigDict, setup: Setup) -> None:
@@ -180,27 +201,6 @@ def log_setup(config: ml_collections.ConfigDict, setup: Setup) -> None:
     log(f"warning: {warning}")
 
 
-# --- restore or init ------------------------------------------------------------------------
-
-def restore_or_init(config: ml_collections.ConfigDict, setup: Setup,
-                    checkpoints: checkpoint.Checkpoints,
-                    hf_folder=None) -> tuple[state_lib.State, dict | None]:
-  """(state, data position): the workdir's latest checkpoint, else `train.resume_from`'s,
-  else a fresh state (created straight into its shardings) and no position; its parameters
-  are `hf_folder`'s weights when given (`init_from.source`)."""
-  source, step = checkpoint.find_resume_point(checkpoints, config.train.resume_from)
-  if source is None and hf_folder is not None:
-    log(f"initializing from {hf_folder.path} (train.init_from), fresh optimizer")
-    return init_from.initial_state(hf_folder, setup, config.seed), None
-  if source is None:
-    return state_lib.create(setup.spec.model, setup.optimizer, setup.layout, config.seed), None
-  checkpoint.check_compatible(source.saved_config(step), setup.spec.model,
-                              f"{source.directory} step {step}")
-  state, data_position = source.restore(step, setup.layout.abstract)
-  log(f"restored step {step} from {source.directory}")
-  return state, data_position
-
-
 # --- compile --------------------------------------------------------------------------------
 
 def compile_steps(setup: Setup):
@@ -209,6 +209,7 @@ def compile_steps(setup: Setup):
   start = time.perf_counter()
   train_step, eval_step = step_lib.compile_step(setup.step, setup.layout,
                                                 setup.batches.abstract(), setup.spec.mesh)
+  integrity.compile_for(setup.layout.abstract)  # the checkpoints' fingerprints
   memory = train_step.memory_analysis()
   log(f"compiled the step in {time.perf_counter() - start:.1f} s" + (
       f"; per device: {memory.argument_size_in_bytes / 2**20:.1f} MiB arguments, "
@@ -372,12 +373,24 @@ def _evaluate(run_: Run, state, at_step: int) -> None:
 
 def save(run_: Run, at_step: int, state, position: dict) -> None:
   """Starts an async checkpoint of `state` with the data position after step at_step - 1's
-  batch (the Grain iterator state, if any)."""
+  batch (the Grain iterator state, if any); records the saves that have finished since."""
   assert position["step"] == at_step, (position, at_step)
   config = run_.config
   with run_.goodput.phase("checkpoint"):
     run_.checkpoints.save(at_step, state, run_.config_dict,
                           {**position, "seed": config.seed, "source": config.data.source})
+  write_save_timings(run_)
+
+
+def write_save_timings(run_: Run) -> None:
+  """A "checkpoint" record per finished save: how long the loop was blocked (the copy off the
+  devices) and how long until its files were written, in metrics.jsonl."""
+  timings = run_.checkpoints.timings
+  while timings and timings[0].seconds is not None:
+    timing = timings.pop(0)
+    run_.writer.write(timing.step, "checkpoint", {
+        "blocking_seconds": timing.blocking_seconds, "seconds": timing.seconds,
+        "blocking_fraction": timing.blocking_seconds / max(timing.seconds, 1e-9)})
 
 
 def nothing_to_train(config: ml_collections.ConfigDict, start_step: int,
@@ -393,6 +406,34 @@ def nothing_to_train(config: ml_collections.ConfigDict, start_step: int,
 
 # --- finish ---------------------------------------------------------------------------------
 
+# After a failure: how long to wait for a save still in flight (a good checkpoint, unless the
+# failure was the storage's own, which has nothing left worth waiting for).
+WAIT_AFTER_FAILURE_S = 300
+WAIT_AFTER_STORAGE_FAILURE_S = 10
+
+
+def close_outputs(run_: Run, failure: BaseException | None = None) -> None:
+  """Ends the profile window, waits for the last checkpoint (timed as checkpointing) and
+  records the save timings; the metrics writer stays open for the run's last records. After a
+  `failure` (about to be raised) the waits are bounded and their own errors dropped, so the
+  first error is the one reported and nothing keeps the process from exiting, and the writer
+  is closed too."""
+  if failure is not None:
+    try:
+      run_.profiler.close()
+    except Exception:  # pylint: disable=broad-except  # the failure is the one to report
+      pass
+    storage_failed = isinstance(failure, storage.StorageError)
+    run_.checkpoints.close(timeout_s=WAIT_AFTER_STORAGE_FAILURE_S if storage_failed
+                           else WAIT_AFTER_FAILURE_S)
+    run_.writer.close()
+    return
+  run_.profiler.close()
+  with run_.goodput.phase("checkpoint"):  # the last async save finishing
+    run_.checkpoints.close()
+  write_save_timings(run_)
+
+
 def write_goodput(run_: Run) -> None:
   """The goodput line and its metrics.jsonl record; the steps' time and the data wait come
   from the intervals the progress lines measured."""
@@ -405,16 +446,20 @@ def write_goodput(run_: Run) -> None:
 
 
 def write_plots(run_: Run, workdir: str) -> None:
-  """loss.png, and confusion.png for a classifier (process 0)."""
+  """loss.png, and confusion.png for a classifier (process 0). A plot that cannot be written
+  is a warning: the run itself is complete."""
   if jax.process_index() != 0:
     return
-  plot = metrics_lib.plot_loss_curve(run_.writer.path, os.path.join(workdir, "loss.png"))
-  if plot:
-    log(f"loss curve: {plot}")
-  result = run_.result
-  if result.confusion is not None:
-    last = max(result.eval_metrics)
-    path = metrics_lib.plot_confusion_matrix(
-        result.confusion, os.path.join(workdir, "confusion.png"),
-        f"held-out, step {last}: accuracy {result.eval_metrics[last]['accuracy']:.2%}")
-    log(f"confusion matrix: {path}")
+  try:
+    plot = metrics_lib.plot_loss_curve(run_.writer.path, os.path.join(workdir, "loss.png"))
+    if plot:
+      log(f"loss curve: {plot}")
+    result = run_.result
+    if result.confusion is not None:
+      last = max(result.eval_metrics)
+      path = metrics_lib.plot_confusion_matrix(
+          result.confusion, os.path.join(workdir, "confusion.png"),
+          f"held-out, step {last}: accuracy {result.eval_metrics[last]['accuracy']:.2%}")
+      log(f"confusion matrix: {path}")
+  except OSError as e:
+    log(f"warning: a plot could not be written into {workdir} ({storage.cause(e)})")

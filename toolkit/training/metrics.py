@@ -1,13 +1,17 @@
 """Metric output: a JSONL file, TensorBoard event files (tensorboardX; no TensorFlow), the
-progress line, and a loss-curve PNG. Only process 0 writes."""
+progress line, and a loss-curve PNG. Only process 0 writes; a write that fails is one
+StorageError."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import time
 
 import jax
 import numpy as np
+
+from toolkit.training import storage
 
 
 def format_duration(seconds: float) -> str:
@@ -47,35 +51,65 @@ def throughput(step_seconds: float, units_per_step: int, flops_per_step: float,
 
 
 class MetricWriter:
-  """Appends records to workdir/metrics.jsonl and TensorBoard scalars to workdir/tensorboard."""
+  """Appends records to workdir/metrics.jsonl and TensorBoard scalars to workdir/tensorboard.
+
+  Both are written in the calling thread, so a failed write (a full disk, ...) raises
+  StorageError right there, naming the file and the cause, and no writer thread is left behind
+  to hold the process at exit (tensorboardX's SummaryWriter writes from a thread; once that
+  thread dies its queue fills and the next write blocks forever)."""
 
   def __init__(self, workdir: str):
     self.enabled = jax.process_index() == 0
     self.path = os.path.join(workdir, "metrics.jsonl")
-    self._tb = None
-    if self.enabled:
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self._tensorboard = os.path.join(workdir, "tensorboard")
+    self._events = None
 
   def write(self, step: int, kind: str, values: dict[str, float]) -> None:
     if not self.enabled:
       return
-    with open(self.path, "a") as f:
-      f.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
-    for name, value in values.items():
-      self._tb.add_scalar(f"{kind}/{name}", value, step)
-    self._tb.flush()
+    from tensorboardX import summary  # pylint: disable=g-import-not-at-top
+    from tensorboardX.event_file_writer import EventsWriter  # pylint: disable=g-import-not-at-top
+    from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+    where = self.path
+    try:
+      with open(self.path, "a") as f:
+        f.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
+      where = self._tensorboard
+      if self._events is None:
+        os.makedirs(self._tensorboard, exist_ok=True)
+        self._events = EventsWriter(os.path.join(self._tensorboard, "events"))
+      for name, value in values.items():
+        self._events.write_event(event_pb2.Event(
+            wall_time=time.time(), step=step, summary=summary.scalar(f"{kind}/{name}", value)))
+      self._events.flush()
+    except OSError as e:
+      raise storage.StorageError(f"metrics could not be written to {where} "
+                                 f"({storage.cause(e)}); {storage.fix(e)}, then rerun the same "
+                                 f"command to resume from the latest checkpoint") from None
 
   def close(self) -> None:
-    if self._tb is not None:
-      self._tb.close()
+    """Never raises: closing after a failure must not hide it."""
+    if self._events is not None:
+      try:
+        self._events.close()
+      except OSError:
+        pass
+      self._events = None
 
 
 def read_metrics(path: str) -> list[dict]:
+  """The records of a metrics.jsonl; a line that does not parse (cut short when the disk
+  filled up) is skipped."""
   if not os.path.exists(path):
     return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  records = []
+  with open(path, errors="replace") as f:
+    for line in f:
+      try:
+        records.append(json.loads(line))
+      except ValueError:
+        continue
+  return [r for r in records if isinstance(r, dict) and "step" in r and "kind" in r]
 
 
 def _points(records: list[dict], kind: str, name: str) -> list[tuple[int, float]]:

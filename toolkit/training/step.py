@@ -41,10 +41,18 @@ def make_optimizer(opt_config, total_steps: int,
   if schedule is None:
     schedule = learning_rate_schedule(opt_config, total_steps)
   return optax.chain(
-      optax.clip_by_global_norm(opt_config.clip_norm),
+      optax.clip_by_global_norm(clip_threshold(opt_config.clip_norm)),
       optax.adamw(schedule, b1=opt_config.b1,
                   b2=opt_config.b2, eps=opt_config.eps, weight_decay=opt_config.weight_decay,
                   mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+
+
+def clip_threshold(clip_norm):
+  """optimizer.clip_norm as optax's threshold: 0 turns clipping off (an infinite threshold).
+  `clip_norm` is a number, or a traced array when a population gives each trial its own."""
+  if isinstance(clip_norm, (int, float)):
+    return clip_norm if clip_norm > 0 else float("inf")
+  return jnp.where(clip_norm > 0, clip_norm, jnp.inf)
 
 
 def cross_entropy_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> jax.Array:
@@ -52,6 +60,15 @@ def cross_entropy_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> jax.Arra
   logits = nnx.merge(graphdef, params)(batch["inputs"])
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   return jnp.mean(losses)
+
+
+def lm_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> tuple[jax.Array, Metrics]:
+  """The LM's training loss and its metrics: mean next-token cross-entropy plus the model's
+  auxiliary loss (a mixture of experts' weighted router losses; 0 for a dense model), and the
+  model's metrics (router statistics; none for a dense model)."""
+  logits, aux_loss, metrics = nnx.merge(graphdef, params).logits_and_aux(batch["inputs"])
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  return jnp.mean(losses) + aux_loss, metrics
 
 
 def split_microbatches(batch: Batch, count: int) -> Batch:
@@ -64,22 +81,24 @@ def split_microbatches(batch: Batch, count: int) -> Batch:
 
 
 def loss_and_grads(loss_fn: Callable, params, batch: Batch, microbatches: int):
-  """Mean loss and its gradient, accumulated in float32 over equal micro-batches."""
-  grad_fn = jax.value_and_grad(loss_fn)
+  """`loss_fn(params, batch) -> (loss, metrics)`: returns ((mean loss, mean metrics), the
+  loss's gradient), accumulated in float32 over equal micro-batches."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   if microbatches == 1:
     return grad_fn(params, batch)
 
   def accumulate(carry, micro):
     loss_sum, grad_sum = carry
-    loss, grads = grad_fn(params, micro)
+    (loss, metrics), grads = grad_fn(params, micro)
     return (loss_sum + loss, jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum,
-                                          grads)), None
+                                          grads)), metrics
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-  (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
-                                         split_microbatches(batch, microbatches))
+  (loss_sum, grad_sum), metrics = jax.lax.scan(
+      accumulate, (jnp.zeros((), jnp.float32), zeros), split_microbatches(batch, microbatches))
   grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grad_sum, params)
-  return loss_sum / microbatches, grads
+  metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+  return (loss_sum / microbatches, metrics), grads
 
 
 def apply_grads(optimizer: optax.GradientTransformation, state: State, grads) -> State:
@@ -88,8 +107,9 @@ def apply_grads(optimizer: optax.GradientTransformation, state: State, grads) ->
           "opt_state": opt_state}
 
 
-def step_metrics(loss: jax.Array, grads, params, learning_rate: jax.Array) -> Metrics:
-  return {"loss": loss, "grad_norm": optax.tree.norm(grads),
+def step_metrics(loss: jax.Array, grads, params, learning_rate: jax.Array,
+                 task_metrics: Metrics) -> Metrics:
+  return {**task_metrics, "loss": loss, "grad_norm": optax.tree.norm(grads),
           "param_norm": optax.tree.norm(params), "learning_rate": learning_rate}
 
 
@@ -105,18 +125,20 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                     schedule: optax.Schedule, microbatches: int, rules: sharding.Rules,
                     mesh: Mesh, loss: Callable | None = None,
                     evaluate: Callable | None = None) -> TrainStep:
-  """`loss(graphdef, params, batch)` -> mean loss (default: next-token cross-entropy) and
-  `evaluate(graphdef, params, batch)` -> eval output (default: that loss); see toolkit.tasks."""
-  task_loss = loss or cross_entropy_loss
+  """`loss(graphdef, params, batch)` -> (mean loss, metrics) (default: `lm_loss`) and
+  `evaluate(graphdef, params, batch)` -> eval output (default: next-token cross-entropy);
+  see toolkit.training.tasks."""
+  task_loss = loss or lm_loss
   task_eval = evaluate or cross_entropy_loss
   loss_fn = lambda params, batch: task_loss(graphdef, params, batch)
 
   def train_step(state: State, batch: Batch) -> tuple[State, Metrics]:
     step.traces += 1
     with sharding.activation_rules(rules, mesh):
-      loss, grads = loss_and_grads(loss_fn, state["params"], batch, microbatches)
+      (loss, metrics), grads = loss_and_grads(loss_fn, state["params"], batch, microbatches)
     new_state = apply_grads(optimizer, state, grads)
-    return new_state, step_metrics(loss, grads, state["params"], schedule(state["step"]))
+    return new_state, step_metrics(loss, grads, state["params"], schedule(state["step"]),
+                                   metrics)
 
   def eval_step(state: State, batch: Batch):
     with sharding.activation_rules(rules, mesh):

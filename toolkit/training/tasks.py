@@ -1,16 +1,21 @@
 """What a model is trained to do: its loss, its eval metrics, and how they are summarized.
 
 A task is composed into the step (`toolkit.training.step.make_train_step(loss=..., evaluate=...)`)
-rather than branched on inside it. `for_model` picks the task from the model family:
+rather than branched on inside it. `for_run` gives the task of a model family (`TASKS`) with
+its training loss as configured:
 
-  lm              next-token cross-entropy; batch {"inputs", "targets"} (batch, length) int32
+  lm              next-token cross-entropy (plus a mixture of experts' router losses, reported
+                  with its router statistics); batch {"inputs", "targets"} (batch, length) int32
   classification  softmax cross-entropy over classes; batch {"images" (batch, H, W, C) float32,
                   "labels" (batch,) int32}, eval batches also "weights" (batch,) float32,
-                  1 for a real example and 0 for padding
+                  1 for a real example and 0 for padding; trained against label-smoothed
+                  targets when `train.label_smoothing` > 0 (`for_run`), evaluated against the
+                  labels themselves
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -20,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from toolkit.training.step import cross_entropy_loss
+from toolkit.training.step import cross_entropy_loss, lm_loss
 
 Batch = dict[str, jax.Array]
 
@@ -29,7 +34,7 @@ Batch = dict[str, jax.Array]
 class Task:
   name: str
   unit: str  # what throughput counts in the progress line: "tok" (tokens) or "img" (images)
-  loss: Callable[[nnx.GraphDef, object, Batch], jax.Array]        # mean loss, for grads
+  loss: Callable[[nnx.GraphDef, object, Batch], tuple[jax.Array, dict]]  # (mean loss, metrics)
   evaluate: Callable[[nnx.GraphDef, object, Batch], dict]         # per-batch sums
   summarize: Callable[[Sequence[dict]], dict]                      # -> {"loss": ..., ...}
 
@@ -45,16 +50,22 @@ def lm_summary(results: Sequence[dict]) -> dict:
   return {"loss": loss, "bits_per_byte": loss / math.log(2)}
 
 
-LM = Task(name="lm", unit="tok", loss=cross_entropy_loss, evaluate=lm_eval,
+LM = Task(name="lm", unit="tok", loss=lm_loss, evaluate=lm_eval,
           summarize=lm_summary)
 
 
 # --- classification ---------------------------------------------------------------------------
 
-def classification_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> jax.Array:
-  """Mean softmax cross-entropy (nats) of batch["labels"] given batch["images"]."""
+def classification_loss(graphdef: nnx.GraphDef, params, batch: Batch,
+                        label_smoothing: float = 0.0) -> tuple[jax.Array, dict]:
+  """Mean softmax cross-entropy (nats) of batch["labels"] given batch["images"] and no metrics;
+  with `label_smoothing` s, against the targets (1 - s) * one_hot(label) + s / classes."""
   logits = nnx.merge(graphdef, params)(batch["images"])
-  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]))
+  if not label_smoothing:
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])), {}
+  targets = optax.smooth_labels(jax.nn.one_hot(batch["labels"], logits.shape[-1]),
+                                label_smoothing)
+  return jnp.mean(optax.softmax_cross_entropy(logits, targets)), {}
 
 
 def classification_eval(graphdef: nnx.GraphDef, params, batch: Batch) -> dict:
@@ -89,3 +100,13 @@ CLASSIFICATION = Task(name="classification", unit="img", loss=classification_los
                       evaluate=classification_eval, summarize=classification_summary)
 
 TASKS = {"lm": LM, "classification": CLASSIFICATION}
+
+
+def for_run(name: str, label_smoothing: float = 0.0) -> Task:
+  """The task `name` with its training loss as configured; evaluation is never smoothed (the
+  held-out loss stays the plain cross-entropy)."""
+  task = TASKS[name]
+  if label_smoothing:
+    task = dataclasses.replace(task, loss=functools.partial(classification_loss,
+                                                            label_smoothing=label_smoothing))
+  return task

@@ -109,7 +109,8 @@ def schedule_from(hparams: dict[str, jax.Array], total_steps: int) -> Callable:
   peak = hparams["optimizer.learning_rate"]
   warmup = jnp.minimum(hparams["optimizer.warmup_steps"], max(total_steps - 1, 0))
   decay = jnp.maximum(total_steps, warmup + 1) - warmup
-  alpha = peak * hparams["optimizer.min_lr_ratio"] / peak
+  # optax: alpha = 0 for a peak of 0 (a learning rate of 0 is allowed), else end / peak.
+  alpha = jnp.where(peak == 0, 0.0, peak * hparams["optimizer.min_lr_ratio"] / peak)
 
   def schedule(count):
     ramp = jnp.clip(count, 0, warmup) / jnp.maximum(warmup, 1)

@@ -10,7 +10,7 @@ from safetensors.numpy import load_file
 from experiments import hf as hf_experiment
 from tests.toolkit.hf import reference
 from toolkit import conversion, hf, training
-from toolkit.training import checkpoint, init_from, loop
+from toolkit.training import checkpoint, init_from, resume
 
 torch = reference.torch
 LOSS_TOLERANCE = 1e-4  # transformers' held-out loss vs meshkit's eval loss, nats (issue 12)
@@ -66,9 +66,9 @@ def test_fine_tune_export_and_reload(tmp_path):
   conversion.import_checkpoint(str(tmp_path / "hf"), str(tmp_path / "imported"), _config(
       tmp_path / "hf"))
   setup = training.build(config)
-  restored, position = loop.restore_or_init(
+  restored, position = resume.restore_or_init(
       config, setup, checkpoint.Checkpoints(str(tmp_path / "imported" / "checkpoints"),
-                                            read_only=True))
+                                            read_only=True), print)
   fresh = init_from.initial_state(hf.HFFolder(str(tmp_path / "hf")), setup, config.seed)
   assert position["step"] == 0
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),

@@ -170,3 +170,30 @@ def test_sampler_draws_only_from_the_top_k_top_p_set(top_k, top_p):
   greedy = sampling.sample(logits[None], sampling.row_arrays([SamplingParams()]),
                            np.zeros(1, np.int32))
   assert int(greedy[0]) == int(np.argmax(logits))
+
+
+def test_a_mixture_of_experts_generates_what_its_forward_pass_predicts():
+  """A Mixtral-style model split over the expert axis generates greedily the tokens its full
+  forward pass predicts, one at a time. It trained with capacity routing; the engine routes
+  dropless, so no token depends on the others in the batch."""
+  cfg = LlamaConfig.preset("moe_tiny", moe_dispatch="capacity", capacity_factor=1.0)
+  params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(params=0)),
+                                                      nnx.Param)))()
+  mesh = sharding.make_mesh(sharding.parse_axis_sizes("fsdp:2,expert:4", "mesh.ici"))
+  engine = engine_lib.Engine(cfg, params, mesh, sharding.Rules.preset("fsdp_ep"), 32)
+  assert engine.model_cfg.moe_dispatch == "dropless"
+  prompts, _ = prompts_and_params(5, seed=4, max_length=12)
+  settings = [SamplingParams(max_tokens=6) for _ in prompts]
+  generated = tokens_of(engine_lib.generate(engine, prompts, settings, batch_size=8))
+  # The reference: the whole sequence so far through the dropless model on one device,
+  # right-padded to 32 (causal attention and per-token routing ignore the padding).
+  dropless = nnx.merge(nnx.split(nnx.eval_shape(lambda: Llama(
+      engine.model_cfg, rngs=nnx.Rngs(params=0))))[0], params)
+  forward = jax.jit(lambda tokens: dropless(tokens))
+  for prompt, tokens in zip(prompts, generated):
+    sequence = list(prompt)
+    for _ in range(6):
+      padded = np.zeros((1, 32), np.int32)
+      padded[0, :len(sequence)] = sequence
+      sequence.append(int(np.argmax(forward(padded)[0, len(sequence) - 1])))
+    assert tokens == sequence[len(prompt):]

@@ -61,6 +61,12 @@ BAD_REQUESTS = [
     (b'{"prompt": "x", "max_tokens": 64}', "exceeds the cache length 64"),
     (b'{"prompt": "x", "tmperature": 1}', "unknown field 'tmperature'"),
     (b'{"tokens": [1, 999]}', "token ids must be in [0, 256)"),
+    # Each of these once answered 500 with a traceback.
+    (b'{"tokens": [2147483648]}', "token ids must be in [0, 256); got 2147483648"),
+    (b'{"prompt": "ab\\ud800"}', '"prompt" is not valid UTF-8 text (lone surrogate U+D800 at '
+                                   'character 2)'),
+    (b"[" * 100 + b"]" * 100, "the body is refused: JSON nested deeper than 32 levels"),
+    (b'{"prompt": "x", "top_k": 4294967296}', "top_k=4294967296 must be an integer in [0, 2**31)"),
 ]
 
 
@@ -179,3 +185,110 @@ def test_failing_steps_are_logged_exported_and_make_health_fail(server, capfd):
   logged = [line for line in capfd.readouterr().err.splitlines()
             if line.startswith("error: decode step failed")]
   assert len(logged) == 3 and "3 in a row, 3 in all" in logged[-1] and "device lost" in logged[-1]
+
+
+# --- fuzzing: a few hundred malformed requests, each a 4xx, never a 5xx or a traceback --------
+
+FUZZ_REQUESTS = 300
+FUZZ_SECONDS = 240  # the whole fuzz run, valid requests included
+VALID_EVERY = 10    # a valid request after every 10 malformed ones
+
+_BAD_VALUES = {  # field -> values that are each wrong for it
+    "prompt": [7, None, [], {}, True, "", "\ud800", "ab\udfffcd", "\ud83d", "x\udc80"],
+    "tokens": [[], [256], [-1], [2**31], [2**63], [10**30], [1.5], [True], ["a"], [[1]], "abc",
+               {"0": 1}, None, [1, 2**40]],
+    "max_tokens": [0, -1, 1.5, "4", None, True, 10**30, 2**63, 64, [4]],
+    "temperature": [-1, "hot", None, [1], True, 10**400 and "1e999", -0.5],
+    "top_k": [-1, 2.5, "3", 2**31, 2**63, 10**30, None, True],
+    "top_p": [0, -0.1, 1.5, "1", None, [0.5], True],
+    "seed": [-1, 2**32, 2**64, 1.5, "0", None, True],
+    "stop_tokens": [[-1], [256], [2**40], "10", [1.5], list(range(9)), [None], {"a": 1}],
+}
+# Literals that are not valid in every position: inserted as raw JSON text.
+_RAW_VALUES = {"temperature": ["NaN", "Infinity", "-Infinity", "1e999"],
+               "top_p": ["NaN", "1e999"], "max_tokens": ["1e999", "-1e999"]}
+
+
+def _malformed(rng) -> tuple[bytes, dict]:
+  """One request body (and extra headers) that must be refused with a 4xx."""
+  kind = rng.randrange(9)
+  valid = {"prompt": "The ", "max_tokens": 4}
+  if kind == 0:  # random bytes
+    return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200))), {}
+  if kind == 1:  # a valid request cut short
+    text = json.dumps({**valid, "temperature": 0.5})
+    return text[:rng.randrange(1, len(text))].encode(), {}
+  if kind == 2:  # JSON that is not an object
+    return rng.choice([b"[]", b"1", b'"x"', b"null", b"true", b"[{}]", b"3.5e3"]), {}
+  if kind == 3:  # nested too deep, in the body or in a field
+    depth = rng.choice([33, 100, 5000, 200_000])
+    nested = "[" * depth + "]" * depth
+    return rng.choice([nested, '{"prompt": "x", "id": ' + nested + "}"]).encode(), {}
+  if kind == 4:  # one field with a wrong value
+    field = rng.choice(sorted(_BAD_VALUES))
+    body = {k: v for k, v in valid.items() if field != "tokens" or k != "prompt"}
+    body[field] = rng.choice(_BAD_VALUES[field])
+    return json.dumps(body).encode(), {}
+  if kind == 5:  # a literal Python's json reads as a non-finite float, or a huge number
+    field = rng.choice(sorted(_RAW_VALUES))
+    return f'{{"prompt": "x", "{field}": {rng.choice(_RAW_VALUES[field])}}}'.encode(), {}
+  if kind == 6:  # fields: unknown, both prompt and tokens, neither
+    return json.dumps(rng.choice([{**valid, f"f{rng.randrange(1000)}": 1},
+                                  {**valid, "tokens": [1]}, {"max_tokens": 3},
+                                  {"prompt": "x" * 300, "max_tokens": 4}])).encode(), {}
+  if kind == 7:  # bytes that are not UTF-8 inside a string, or a body over the size limit
+    if rng.random() < 0.8:
+      return b'{"prompt": "ab' + bytes([rng.randrange(0x80, 0x100)]) + b'"}', {}
+    return b'{"prompt": "' + b"x" * (server_lib.MAX_BODY_BYTES + 10) + b'"}', {}
+  # kind 8: a body that claims a compression it does not have
+  return json.dumps(valid).encode(), {"Content-Encoding": rng.choice(["gzip", "deflate", "br"])}
+
+
+def post_raw(url: str, body: bytes, headers: dict) -> tuple[int, bytes]:
+  request = urllib.request.Request(url + "/generate", data=body,
+                                   headers={"Content-Type": "application/json", **headers})
+  try:
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+      return response.status, response.read()
+  except urllib.error.HTTPError as e:
+    return e.code, e.read()
+
+
+def test_fuzz_malformed_requests_get_4xx_and_valid_ones_still_right(server, capfd):
+  import logging  # pylint: disable=g-import-not-at-top
+  import random  # pylint: disable=g-import-not-at-top
+  records: list[logging.LogRecord] = []
+  handler = logging.Handler(logging.WARNING)
+  handler.emit = records.append
+  logging.getLogger("aiohttp").addHandler(handler)
+  rng = random.Random(16)
+  started = time.monotonic()
+  answers, refused = [], []
+  try:
+    for i in range(FUZZ_REQUESTS):
+      assert time.monotonic() - started < FUZZ_SECONDS, f"only {i} requests in time"
+      body, headers = _malformed(rng)
+      status, payload = post_raw(server.url, body, headers)
+      refused.append(status)
+      assert 400 <= status < 500, (status, body[:200], headers, payload[:300])
+      if payload.startswith(b"{"):  # else aiohttp's own 400 for a message it cannot parse
+        assert json.loads(payload)["error"], payload
+      if i % VALID_EVERY == VALID_EVERY - 1:
+        prompt = "".join(rng.choice("abcdefgh ") for _ in range(rng.randrange(1, 12)))
+        status, payload = post(server.url, json.dumps({"prompt": prompt,
+                                                       "max_tokens": 5}).encode())
+        assert status == 200, payload
+        answers.append((prompt, payload["tokens"]))
+  finally:
+    logging.getLogger("aiohttp").removeHandler(handler)
+  engine = server.batcher.engine
+  for prompt, tokens in answers:  # each valid answer equals its prompt generated alone
+    alone = engine_lib.generate(engine, [text_data.encode(prompt)],
+                                [SamplingParams(max_tokens=5)], 1)[0]
+    assert tokens == alone.tokens, prompt
+  assert len(answers) == FUZZ_REQUESTS // VALID_EVERY
+  assert not records, [r.getMessage() for r in records]
+  captured = capfd.readouterr()
+  assert "Traceback" not in captured.out + captured.err
+  print(f"{len(refused)} malformed requests: " + ", ".join(
+      f"{status}: {refused.count(status)}" for status in sorted(set(refused))))

@@ -70,8 +70,10 @@ def test_requests_take_and_return_text_through_the_tokenizer(folder):
   """What toolkit.serve and prompts files do with each request (parse_prompt, the EOS stop,
   result_record), with the folder's codec."""
   codec = Codec.load(str(folder[0]))
-  assert list(requests.parse_prompt({"prompt": PROMPT}, codec)) == [BOS, *PROMPT.encode()]
-  assert list(requests.parse_prompt({"tokens": [5, 6]}, codec)) == [5, 6]  # ids as given
+  vocab_size = folder[1].config.vocab_size
+  assert list(requests.parse_prompt({"prompt": PROMPT}, vocab_size, codec)) == [
+      BOS, *PROMPT.encode()]
+  assert list(requests.parse_prompt({"tokens": [5, 6]}, vocab_size, codec)) == [5, 6]
   result = engine_lib.Result(tokens=[*b"ok ", BOS, *b"go"], finish_reason="stop",
                              prompt_tokens=11, latency_s=0.0, time_to_first_token_s=0.0)
   record = requests.result_record(result, {"id": 3}, codec)

@@ -449,3 +449,19 @@ def test_compile_candidates_left_over_do_not_keep_the_process_alive():
                           capture_output=True, timeout=120, check=False)
   assert result.returncode == 0, result.stdout + result.stderr
   assert re.search(r"^left \d+$", result.stdout, re.M)
+
+
+@pytest.mark.tpu_aot
+def test_moe_ragged_all_to_all_exchange_compiles_for_tpu(tmp_path):
+  """XLA:CPU cannot run ragged_all_to_all (jax 0.10); the TPU compiler takes it. The tiny MoE
+  on v5e-8 as fsdp 2 x expert 4, dropless with the ragged all-to-all exchange."""
+  needs_libtpu()
+  from experiments import moe  # pylint: disable=g-import-not-at-top
+  hlo = tmp_path / "step.hlo"
+  report = compile_lib.compile_report(moe.get_config("tiny,exchange=ragged_all_to_all"),
+                                      target_lib.target_for("v5e-8"), hlo_path=str(hlo))
+  assert report.verdict == "fits" and report.run["mesh"]["expert"] == 4
+  assert "ragged-all-to-all" in hlo.read_text()
+  kinds = {(c["kind"], c["axes"]) for c in report.collectives}
+  assert ("all-to-all", "expert") in kinds, kinds        # the exchange, over the expert axis
+  assert report.communication["ici_bytes_analytic"] > 0

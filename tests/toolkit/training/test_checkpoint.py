@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.tiny_runs import tiny_config
-from toolkit.training import checkpoint, state as state_lib, step as step_lib
+from toolkit.training import checkpoint, resume, state as state_lib, step as step_lib
 from toolkit import training
 from toolkit.errors import ConfigError
 
@@ -117,7 +117,5 @@ def test_check_compatible_names_the_field():
 
 
 def test_resume_from_without_checkpoints_is_refused(tmp_path):
-  own = checkpoint.Checkpoints(str(tmp_path / "own"))
   with pytest.raises(ConfigError, match="train.resume_from=.*holds no checkpoint"):
-    checkpoint.find_resume_point(own, str(tmp_path))
-  own.close()
+    resume.restore_other_run(str(tmp_path), setup=None, log=print)

@@ -39,10 +39,10 @@ def test_loss_and_grads_microbatched_matches_full_batch():
   from toolkit.training import state as state_lib  # pylint: disable=g-import-not-at-top
   state = state_lib.create(setup.spec.model, setup.optimizer, setup.layout, 0)
   batch = setup.batches.batch(0)
-  loss_fn = lambda p, b: step_lib.cross_entropy_loss(setup.layout.graphdef, p, b)
+  loss_fn = lambda p, b: step_lib.lm_loss(setup.layout.graphdef, p, b)
   full = jax.jit(lambda p, b: step_lib.loss_and_grads(loss_fn, p, b, 1))(state["params"], batch)
   split = jax.jit(lambda p, b: step_lib.loss_and_grads(loss_fn, p, b, 4))(state["params"], batch)
-  np.testing.assert_allclose(split[0], full[0], **TOLERANCE)
+  np.testing.assert_allclose(split[0][0], full[0][0], **TOLERANCE)
   assert_trees_close(jax.device_get(split[1]), jax.device_get(full[1]), **TOLERANCE)
 
 
@@ -91,3 +91,26 @@ def test_state_is_donated():
   # Output shardings are exactly the layout's.
   for actual, expected in zip(jax.tree.leaves(new_state), jax.tree.leaves(setup.layout.shardings)):
     assert actual.sharding == expected
+
+
+@pytest.mark.parametrize("clip_norm", [0.0, jax.numpy.float32(0.0)])
+def test_clip_norm_zero_turns_clipping_off(clip_norm):
+  """0 is "off" (not "clip every gradient to nothing"), for a number and for a traced value as
+  a population passes it: Adam's first moment sees the unclipped gradient exactly."""
+  import types  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  config = tiny_config().optimizer.to_dict()
+  grads = {"w": jax.numpy.full((4, 4), 3.0), "b": jax.numpy.full((4,), -2.0)}  # norm 12.6
+  params = jax.tree.map(jax.numpy.zeros_like, grads)
+
+  def first_moment(clip):
+    optimizer = step_lib.make_optimizer(types.SimpleNamespace(**{**config, "clip_norm": clip}),
+                                        10, lambda count: 1e-2)
+    _, state = optimizer.update(grads, optimizer.init(params), params)
+    return optax.tree_utils.tree_get(state, "mu")
+
+  off, unclipped, clipped = first_moment(clip_norm), first_moment(1e30), first_moment(1.0)
+  for a, b in zip(jax.tree.leaves(off), jax.tree.leaves(unclipped)):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(optax.global_norm(off), (1 - config["b1"]) * 12.649, rtol=1e-4)
+  np.testing.assert_allclose(optax.global_norm(clipped), 1 - config["b1"], rtol=1e-5)

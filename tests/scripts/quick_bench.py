@@ -1,0 +1,20 @@
+"""Runs a benchmark script's `--quick` mode on 8 simulated CPU devices, for the smoke tests."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def run_quick(script: str, json_path: pathlib.Path, timeout_s: float) -> tuple[str, dict]:
+  """Runs `scripts/<script> --quick --json=<json_path>`; returns (stdout, the JSON results).
+  Fails the test with the script's stderr tail when it exits non-zero."""
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+         "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run(
+      [sys.executable, str(REPO / "scripts" / script), "--quick", f"--json={json_path}"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout, json.loads(json_path.read_text())

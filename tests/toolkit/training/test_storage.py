@@ -1,0 +1,226 @@
+"""Storage faults: a disk that fills up or turns read-only during a run ends it with one `error:`
+line naming the folder and the cause, exit 1 within 60 s of the fault, no partial checkpoint
+folder, the earlier checkpoints intact (they restore, fingerprints verified); a read-only
+folder is refused before training; a metrics, TensorBoard or plot write that fails neither
+hangs nor hides the cause.
+
+The faults are real where this process may mount a small tmpfs (root, as on the project's
+machines); elsewhere the same errors are injected where Orbax writes a checkpoint
+(tests/toolkit/training/storage_faults.py)."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import pytest
+
+from tests.tiny_runs import tiny_config
+from tests.toolkit.test_cli import REPO, RUN_TIMEOUT_S, TINY, _env, checkpoint_steps, the_error_line
+from toolkit import training
+from toolkit.training import checkpoint, loop, metrics, storage
+
+FAULT_TO_EXIT_S = 60
+_INJECT = "from tests.toolkit.training import storage_faults; storage_faults.train({code}, {step})"
+
+
+def _mount(*args: str) -> bool:
+  return subprocess.run(["mount", *args], capture_output=True, check=False).returncode == 0
+
+
+@contextlib.contextmanager
+def small_disk(path: pathlib.Path, size: str, read_only: bool = False):
+  """A tmpfs of `size` at `path` (True), or nothing when mounting is not allowed (False)."""
+  path.mkdir(parents=True, exist_ok=True)
+  mounted = _mount("-t", "tmpfs", "-o", f"size={size}" + (",ro" if read_only else ""), "tmpfs",
+                   str(path))
+  try:
+    yield mounted
+  finally:
+    if mounted:
+      subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
+
+class Run:
+  """`toolkit.train` in a subprocess; stdout read line by line with the time each arrived."""
+
+  def __init__(self, args: list[str], inject: tuple[int, int] | None = None):
+    command = ([sys.executable, "-c", _INJECT.format(code=inject[0], step=inject[1])]
+               if inject else [sys.executable, "-m", "toolkit.train"])
+    self.process = subprocess.Popen(command + args, cwd=REPO, env=_env(), text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    self.lines: list[tuple[float, str]] = []
+    self.stderr = ""
+    self._readers = [threading.Thread(target=self._read_stdout, daemon=True),
+                     threading.Thread(target=self._read_stderr, daemon=True)]
+    for reader in self._readers:
+      reader.start()
+
+  def _read_stdout(self):
+    for line in self.process.stdout:
+      self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+  def _read_stderr(self):
+    self.stderr = self.process.stderr.read()
+
+  def wait(self) -> tuple[subprocess.CompletedProcess, float]:
+    """(the finished process, when it ended)."""
+    try:
+      self.process.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+      if self.process.poll() is None:
+        self.process.kill()
+    ended = time.monotonic()
+    for reader in self._readers:
+      reader.join(10)
+    stdout = "".join(line + "\n" for _, line in self.lines)
+    return subprocess.CompletedProcess(self.process.args, self.process.returncode, stdout,
+                                       self.stderr), ended
+
+
+def _assert_nothing_lost(workdir: pathlib.Path, at_least: set[int]) -> None:
+  """The checkpoints left are at least `at_least`, no partial folder, each restores verified."""
+  steps = checkpoint_steps(workdir)
+  assert at_least <= steps, steps
+  leftovers = [p.name for p in (workdir / "checkpoints").iterdir() if "tmp" in p.name]
+  assert not leftovers, leftovers
+  setup = training.build(tiny_config())
+  manager = checkpoint.Checkpoints(str(workdir / "checkpoints"), read_only=True)
+  for step in steps:
+    assert manager.has_fingerprints(step)
+    state, _ = manager.restore(step, setup.layout.abstract)  # raises if damaged
+    assert int(state["step"]) == step
+  manager.close()
+
+
+def test_disk_full_during_the_run(tmp_path):
+  disk = tmp_path / "disk"
+  with small_disk(disk, "1200k") as mounted:  # room for the first checkpoint, not the second
+    workdir = disk / "w"
+    run = Run([TINY, f"--workdir={workdir}", "--config.train.checkpoint_every=2",
+               "--config.train.steps=40"], inject=None if mounted else (errno.ENOSPC, 4))
+    result, ended = run.wait()
+    line = the_error_line(result)
+    assert "(No space left on device)" in line and str(workdir) in line, line
+    assert "then rerun the same command to resume" in line
+    # From the last progress line (the fault comes at the next save) to the exit.
+    assert ended - run.lines[-1][0] < FAULT_TO_EXIT_S
+    _assert_nothing_lost(workdir, {2})
+    print(line, "(tmpfs)" if mounted else "(injected)")
+
+
+def test_checkpoint_folder_turns_read_only_during_the_run(tmp_path):
+  workdir = tmp_path / "w"
+  with small_disk(workdir / "checkpoints", "20m") as mounted:
+    run = Run([TINY, f"--workdir={workdir}", "--config.train.checkpoint_every=2",
+               "--config.train.steps=3000"], inject=None if mounted else (errno.EROFS, 4))
+    if mounted:
+      deadline = time.monotonic() + RUN_TIMEOUT_S
+      while not (workdir / "checkpoints" / "2").is_dir():
+        assert run.process.poll() is None and time.monotonic() < deadline, run.stderr
+        time.sleep(0.05)  # polling interval, not a wait for readiness
+      assert _mount("-o", "remount,ro", str(workdir / "checkpoints"))
+    fault = time.monotonic()
+    result, ended = run.wait()
+    line = the_error_line(result)
+    assert f"a checkpoint could not be written to {workdir}/checkpoints (Read-only file " \
+           f"system)" in line, line
+    assert ended - fault < FAULT_TO_EXIT_S
+    if mounted:  # Nothing can be removed from a read-only disk: Orbax's temporary folder of
+      assert _mount("-o", "remount,rw", str(workdir / "checkpoints"))  # the failed save stays;
+      checkpoint.Checkpoints(str(workdir / "checkpoints")).close()  # the next run removes it.
+    _assert_nothing_lost(workdir, {2})
+
+
+def test_read_only_checkpoint_folder_is_refused_before_training(tmp_path, monkeypatch):
+  workdir = tmp_path / "w"
+  with small_disk(workdir / "checkpoints", "1m", read_only=True) as mounted:
+    if mounted:
+      result = subprocess.run([sys.executable, "-m", "toolkit.train", TINY,
+                               f"--workdir={workdir}"], cwd=REPO, env=_env(), text=True,
+                              capture_output=True, timeout=RUN_TIMEOUT_S, check=False)
+      line = the_error_line(result)
+      assert line == (f"error: {workdir}/checkpoints is not writable (Read-only file system); "
+                      f"mount it writable or choose another --workdir")
+      return
+  # Without a mount: what the check sees on a read-only disk, in this process.
+  monkeypatch.setattr(os, "access", lambda *_: False)
+  monkeypatch.setattr(os, "statvfs", lambda _: types.SimpleNamespace(f_flag=os.ST_RDONLY))
+  with pytest.raises(storage.StorageError, match=r"is not writable \(Read-only file system\)"):
+    storage.check_writable(str(workdir / "checkpoints"))
+
+
+def test_metrics_and_tensorboard_write_failures_are_one_storage_error(tmp_path):
+  threads = threading.active_count()
+  writer = metrics.MetricWriter(str(tmp_path))
+  writer.write(1, "train", {"loss": 2.0})
+  os.remove(tmp_path / "metrics.jsonl")
+  os.mkdir(tmp_path / "metrics.jsonl")  # now every append fails (EISDIR)
+  with pytest.raises(storage.StorageError, match=r"^metrics could not be written to "
+                                                 rf"{tmp_path}/metrics.jsonl \(Is a directory\)"):
+    writer.write(2, "train", {"loss": 1.0})
+  writer.close()
+
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "tensorboard").write_text("a file where the folder goes")
+  writer = metrics.MetricWriter(str(other))
+  with pytest.raises(storage.StorageError, match=r"written to .*tensorboard \(File exists\)"):
+    writer.write(1, "train", {"loss": 2.0})
+  writer.close()  # never raises
+  assert threading.active_count() == threads  # no writer thread that could block exit
+
+
+def test_a_plot_that_cannot_be_written_is_a_warning(tmp_path, capsys):
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "kind": "train", "loss": 2.0}\n'
+                                          '{"step": 2, "kind": "tra')  # cut short by a full disk
+  (tmp_path / "loss.png").mkdir()  # the plot cannot be written
+  run = types.SimpleNamespace(writer=types.SimpleNamespace(path=str(tmp_path / "metrics.jsonl")),
+                              result=types.SimpleNamespace(confusion=None))
+  loop.write_plots(run, str(tmp_path))
+  assert capsys.readouterr().out == (f"warning: a plot could not be written into {tmp_path} "
+                                     f"(Is a directory)\n")
+
+
+def test_free_space_warning(tmp_path):
+  free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+  assert storage.free_space_warning(str(tmp_path), free // 4) is None
+  warning = storage.free_space_warning(str(tmp_path), free)
+  assert warning.startswith(f"{tmp_path} has ") and "less than twice a checkpoint" in warning
+
+
+def test_causes_are_the_os_words():
+  tensorstore = ValueError('RESOURCE_EXHAUSTED: Error writing "x": Failed to write 41558 bytes '
+                           "to file 7: No space left on device [os_error_code='28']")
+  assert storage.cause(tensorstore) == "No space left on device"
+  assert storage.fix(tensorstore) == "free space on that disk"
+  wrapped = RuntimeError("Encountered error while reading array index: (slice(0, 2, 1),)")
+  wrapped.__cause__ = ValueError("OUT_OF_RANGE: Error reading \"a/0.0\": Requested byte range "
+                                 "[8108, 10466) is not valid for value of size 1000")
+  assert storage.cause(wrapped).startswith("OUT_OF_RANGE: Error reading")
+
+
+def test_the_late_io_callback_race_is_not_printed():
+  """A closed event loop's call_soon_threadsafe (TensorStore finishing a write of a save that
+  already failed) is dropped; any other unraisable exception reaches the previous hook."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  from toolkit import command_line  # pylint: disable=g-import-not-at-top
+  seen = []
+  hook = command_line._without_late_io_callbacks(lambda u: seen.append(u.exc_value))  # pylint: disable=protected-access
+  event_loop = asyncio.new_event_loop()
+  event_loop.close()
+  try:
+    event_loop.call_soon_threadsafe(print)
+  except RuntimeError as e:  # as TensorStore's thread reports it: from call_soon_threadsafe on
+    hook(types.SimpleNamespace(exc_type=RuntimeError, exc_value=e,
+                               exc_traceback=e.__traceback__.tb_next, object=None))
+  other = RuntimeError("Event loop is closed")
+  hook(types.SimpleNamespace(exc_type=RuntimeError, exc_value=other, exc_traceback=None,
+                             object=None))
+  assert seen == [other]

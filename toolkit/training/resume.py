@@ -1,0 +1,129 @@
+"""Where a run starts, in this order: the workdir's newest checkpoint that restores, else the
+latest checkpoint of `train.resume_from` (another run's workdir), else the weights of
+`train.init_from` with a fresh optimizer (init_from.py), else a fresh state.
+
+A damaged newest checkpoint (checkpoint.DamagedCheckpoint: files missing or unreadable, garbage
+metadata, fingerprints that do not match) costs the steps since the one before it, not the
+run: once an older step restores, each damaged newer one is moved into
+<workdir>/damaged_checkpoints/ (renamed, never deleted) with one warning line naming the step
+and the cause. When none restores, the run stops with one error line listing each step's cause
+and renames nothing. Checkpoints of `train.resume_from` are never skipped or moved: damage there
+is an error, not a silent start from somewhere else.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+
+from toolkit import hf
+from toolkit.errors import ConfigError
+from toolkit.training import checkpoint, init_from, state as state_lib, storage
+from toolkit.training.setup import Setup
+
+
+def restore_or_init(config: ml_collections.ConfigDict, setup: Setup,
+                    own: checkpoint.Checkpoints, log: Callable[[str], None],
+                    hf_folder: hf.HFFolder | None = None) -> tuple[state_lib.State, dict | None]:
+  """(state, data position): see the module docstring; the position is None when the run
+  starts at step 0. `hf_folder` is `init_from.source`'s answer (checked, or None)."""
+  if own.all_steps():
+    return restore_newest_good(own, setup, log)
+  if config.train.resume_from:
+    return restore_other_run(config.train.resume_from, setup, log)
+  if hf_folder is not None:
+    log(f"initializing from {hf_folder.path} (train.init_from), fresh optimizer")
+    return init_from.initial_state(hf_folder, setup, config.seed), None
+  return state_lib.create(setup.spec.model, setup.optimizer, setup.layout, config.seed), None
+
+
+def restore_newest_good(checkpoints: checkpoint.Checkpoints, setup: Setup,
+                        log: Callable[[str], None]) -> tuple[state_lib.State, dict]:
+  """The newest step of `checkpoints` that restores; the damaged newer ones are set aside."""
+  damaged: list[checkpoint.DamagedCheckpoint] = []
+  for step in reversed(checkpoints.all_steps()):
+    try:
+      state, data_position = restore_step(checkpoints, step, setup)
+    except checkpoint.DamagedCheckpoint as e:
+      damaged.append(e)
+      continue
+    for bad in damaged:
+      where = set_aside(checkpoints, bad.step)
+      log(f"warning: checkpoint step {bad.step} is damaged ({bad.cause}); moved it to "
+          f"{where} and resumed from step {step}")
+    if damaged:
+      checkpoints.manager.reload()  # forget the steps just moved
+    log(restored_line(checkpoints, step))
+    return state, data_position
+  causes = "; ".join(f"step {e.step}: {e.cause}" for e in damaged)
+  raise ConfigError(f"no checkpoint in {checkpoints.directory} can be restored ({causes}); "
+                    f"nothing was moved. They are damaged or were written by another config: "
+                    f"move that folder away to start from scratch")
+
+
+def restore_other_run(resume_from: str, setup: Setup, log: Callable[[str], None]
+                      ) -> tuple[state_lib.State, dict]:
+  """The latest checkpoint of another run's workdir (or checkpoints/ folder); any damage is
+  an error naming train.resume_from."""
+  other = checkpoint.Checkpoints(checkpoint.checkpoints_dir(resume_from), read_only=True)
+  try:
+    step = other.latest_step()
+    if step is None:
+      raise ConfigError(f"train.resume_from={resume_from!r} holds no checkpoint; point it at a "
+                        f"workdir (or its checkpoints/ folder) of an earlier run")
+    try:
+      restored = restore_step(other, step, setup)
+    except checkpoint.DamagedCheckpoint as e:
+      raise ConfigError(f"train.resume_from={resume_from!r}: {e}; point it at another run (its "
+                        f"older checkpoints are not used in its place)") from None
+    log(restored_line(other, step))
+    return restored
+  finally:
+    other.close(timeout_s=60)
+
+
+def restore_step(checkpoints: checkpoint.Checkpoints, step: int, setup: Setup
+                 ) -> tuple[state_lib.State, dict]:
+  """Restores one step after checking that its model fits this config (a different model is a
+  ConfigError, not damage); every process agrees on whether it restored."""
+  where = f"{checkpoints.directory} step {step}"
+  saved, damage = {}, None
+  try:
+    saved = checkpoints.saved_config(step)
+  except checkpoint.DamagedCheckpoint as e:
+    damage = e
+  _agree(damage, checkpoints, step)
+  checkpoint.check_compatible(saved, setup.spec.model, where)
+  return checkpoints.restore(step, setup.layout.abstract, agree=_agree)
+
+
+def restored_line(checkpoints: checkpoint.Checkpoints, step: int) -> str:
+  verified = "" if checkpoints.has_fingerprints(step) else (
+      " (written before fingerprints existed: not verified)")
+  return f"restored step {step} from {checkpoints.directory}{verified}"
+
+
+def _agree(damage: checkpoint.DamagedCheckpoint | None, checkpoints: checkpoint.Checkpoints,
+           step: int) -> None:
+  """Raises `damage`, or DamagedCheckpoint on every process when another process found some,
+  so all of them go on to the same step (the restores that follow are collectives)."""
+  if jax.process_count() > 1:
+    failed = multihost_utils.process_allgather(np.int32(damage is not None))
+    if damage is None and np.any(failed):
+      damage = checkpoint.DamagedCheckpoint(checkpoints.directory, step,
+                                            "another process could not read it")
+  if damage is not None:
+    raise damage
+
+
+def set_aside(checkpoints: checkpoint.Checkpoints, step: int) -> str:
+  """Process 0 moves the step folder away; every process waits for it."""
+  where = ""
+  if jax.process_index() == 0:
+    where = storage.set_aside(checkpoints.directory, step)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f"set aside checkpoint step {step}")
+  return where
