@@ -125,12 +125,13 @@ def test_command_line(tmp_path):
                                 "if missing)"
 
 
-def test_a_corpus_drawn_entirely_for_validation_still_trains(tmp_path):
-  """One document drawn for val (its index hashes below 0.5): it trains instead of leaving an
-  empty train split."""
-  assert prepare_text.is_validation(0, 0.5)
-  (tmp_path / "one.txt").write_text("the only document")
+def test_one_document_at_the_largest_val_fraction_still_trains(tmp_path):
+  """The held-out tail never takes a whole document: at --val_fraction's upper bound (0.5) one
+  short document still leaves its head to train on (the document split once left train
+  empty)."""
+  text = "the only document"  # 17 characters: 9 train, 8 held out (round(8.5) = 8)
+  (tmp_path / "one.txt").write_text(text)
   meta = prepare_text.prepare([str(tmp_path / "one.txt")], str(tmp_path / "o"),
                               shards.Tokenizer(), 0.5, 100, log=lambda _: None)
-  assert sum(e["tokens"] for e in meta["splits"]["train"]) == len("the only document") + 1
-  assert not meta["splits"]["val"]
+  assert sum(e["tokens"] for e in meta["splits"]["train"]) == 9 + 1  # + end-of-document
+  assert sum(e["tokens"] for e in meta["splits"]["val"]) == 8 + 1
