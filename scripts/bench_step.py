@@ -18,7 +18,9 @@ One run measures, on one mesh and one batch:
      step does ~1.35x the FLOPs per device and ran ~4x slower, so it is no baseline to beat.
 Before timing, the two losses must agree over a few steps from identical states. The steps
 then alternate in rounds; the table gives median step time, tokens/s, model FLOP/s and its
-fraction of the matmul peak, and the ratio toolkit/bare against its target.
+fraction of the matmul peak (model FLOP/s per device over one device's peak: on an accelerator
+the matmul's own, on CPU its 1/n share of the cores), and the ratio toolkit/bare against its
+target.
 """
 from __future__ import annotations
 
@@ -196,6 +198,18 @@ def _time_rounds(steps: dict, states: dict, batch, warmup_steps: int, rounds: in
   return seconds
 
 
+def per_device_peak(measured: float, devices) -> float:
+  """One device's own matmul peak from `measured`, a matmul timed on one device: simulated CPU
+  devices share the host's cores (which that matmul used all of), so each gets 1/n of it; an
+  accelerator's matmul ran on its own chip."""
+  return measured / len(devices) if devices[0].platform == "cpu" else measured
+
+
+def peak_fraction(flops_per_step: float, step_s: float, measured_peak: float, devices) -> float:
+  """Model FLOP/s per device over one device's peak (MFU against the measured matmul)."""
+  return flops_per_step / len(devices) / step_s / per_device_peak(measured_peak, devices)
+
+
 def benchmark(config: ml_collections.ConfigDict, *, rounds: int, steps_per_round: int,
               warmup_steps: int, check_steps: int, rtol: float, matmul_size: int,
               matmul_repeats: int, bare_batch_constraint: bool = True) -> dict:
@@ -237,13 +251,14 @@ def benchmark(config: ml_collections.ConfigDict, *, rounds: int, steps_per_round
 
   tokens_per_step = config.data.global_batch_size * config.data.seq_len
   flops_per_step = model_cfg.flops_per_token(config.data.seq_len) * tokens_per_step
+  devices = list(mesh.devices.flat)
   rows = {}
   for name, values in seconds.items():
     median = statistics.median(values)
     rows[name] = {"median_step_s": median, "round_step_s": values,
                   "tokens_per_second": tokens_per_step / median,
                   "model_flops_per_second": flops_per_step / median,
-                  "fraction_of_matmul_peak": flops_per_step / median / peak}
+                  "fraction_of_matmul_peak": peak_fraction(flops_per_step, median, peak, devices)}
   return {
       "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
       "mesh": dict(mesh.shape), "rules": rules.name,

@@ -2,9 +2,12 @@
 
   python scripts/gke_jobset.py --name=lm --accelerator-type=v5litepod-16 \\
       --image=us-docker.pkg.dev/PROJECT/REPO/meshkit:latest \\
-      --config=experiments/lm.py:size=1b --gcs-bucket=BUCKET --workdir=/mnt/gcs/runs/lm -- --config.train.steps=1000
-  python scripts/gke_jobset.py ... --slices=2 --output=lm.yaml     # write a file instead
-  python scripts/gke_jobset.py ... --apply                         # pipe to kubectl apply -f -
+      --config=experiments/lm.py:size=1b --gcs-bucket=my-bucket --workdir=/mnt/gcs/runs/lm -- --config.train.steps=1000
+  python scripts/gke_jobset.py --name=lm --accelerator-type=v5litepod-16 --slices=2 \\
+      --image=us-docker.pkg.dev/PROJECT/REPO/meshkit:latest --config=experiments/lm.py:size=1b \\
+      --gcs-bucket=my-bucket --workdir=/mnt/gcs/runs/lm --output=lm.yaml    # write a file instead
+
+Add --apply to pipe the manifest to `kubectl apply -f -`.
 
 Printing the manifest is the default (--dry-run says so explicitly); nothing is applied
 without --apply. The YAML is written by hand here, with every string double-quoted, so the

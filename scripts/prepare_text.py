@@ -7,9 +7,10 @@ Every `.txt` file (or any file not ending in .jsonl) is one document; every line
 file is one document, its text in the field `--text_key` ("text"). A document is tokenized
 (byte-level by default: ids 0-255 are UTF-8 bytes, 256 ends a document; or any Hugging Face
 tokenizer.json through the `tokenizers` library) and followed by the end-of-document token.
-Documents go to the `val` split with probability `--val_fraction` (by a hash of their index,
-so the split does not depend on shard sizes), else to `train`. Output: `train_00000.bin`, ...
-(flat little-endian uint16, or uint32 for vocabularies above 65,536) and `meta.json`.
+The last `--val_fraction` (default 5 %) of every document's text goes to the `val` split, the
+rest to `train`: one file gives both splits, and val holds that share of the tokens. Output:
+`train_00000.bin`, ... (flat little-endian uint16, or uint32 for vocabularies above 65,536)
+and `meta.json`.
 
 Then train on them:
 
@@ -22,7 +23,6 @@ import json
 import os
 import sys
 import time
-import zlib
 
 # Run as a file (python scripts/prepare_text.py): the repository root holds `toolkit`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,8 +67,18 @@ def _jsonl_text(line: str, where: str, text_key: str) -> str:
   return record[text_key]
 
 
-def is_validation(index: int, val_fraction: float) -> bool:
-  return zlib.crc32(index.to_bytes(8, "little")) / 2**32 < val_fraction
+def split_documents(documents: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
+  """(train, val): the last `val_fraction` of every document's text is held out, so even one
+  file gives both splits and val holds that share of the tokens (to within a token per
+  document). Each part ends with its own end-of-document token when written."""
+  train, val = [], []
+  for text in documents:
+    cut = len(text) - round(len(text) * val_fraction)
+    if text[:cut]:
+      train.append(text[:cut])
+    if text[cut:]:
+      val.append(text[cut:])
+  return train, val
 
 
 def prepare(paths: list[str], out: str, tokenizer: shards.Tokenizer, val_fraction: float,
@@ -88,23 +98,19 @@ def prepare(paths: list[str], out: str, tokenizer: shards.Tokenizer, val_fractio
   except OSError as e:
     raise ConfigError(f"--out={out!r} cannot be created ({e.strerror}); choose another "
                       f"folder") from None
-  started, seen = time.perf_counter(), {"docs": 0, "tokens": 0}
+  started, seen = time.perf_counter(), {"parts": 0, "tokens": 0}
+  train, val = split_documents(documents, val_fraction)
+  parts = len(train) + len(val)
 
   def progress(_, tokens: int) -> None:
-    seen["docs"] += 1
+    seen["parts"] += 1
     seen["tokens"] += tokens
-    if seen["docs"] % 1000 == 0 or seen["docs"] == len(documents):
+    if seen["parts"] % 1000 == 0 or seen["parts"] == parts:
       seconds = time.perf_counter() - started
-      log(f"{seen['docs']}/{len(documents)} documents, {seen['tokens']:,} tokens, "
+      log(f"{seen['parts']}/{parts} document parts (train and val parts of {len(documents)} "
+          f"documents), {seen['tokens']:,} tokens, "
           f"{seen['tokens'] / max(seconds, 1e-9):,.0f} tokens/s")
 
-  val = [d for i, d in enumerate(documents) if is_validation(i, val_fraction)]
-  train = [d for i, d in enumerate(documents) if not is_validation(i, val_fraction)]
-  if val_fraction > 0 and not val and len(train) > 1:
-    val, train = train[-1:], train[:-1]  # a tiny corpus still gets a held-out document
-  if not any(train):  # every document with text was drawn for val: train on one of them
-    text_index = next(i for i, d in enumerate(val) if d)
-    train, val = [val[text_index]], val[:text_index] + val[text_index + 1:]
   splits = {"train": shards.write_split(out, "train", train, tokenizer, shard_tokens, progress),
             "val": shards.write_split(out, "val", val, tokenizer, shard_tokens, progress)}
   shards.write_meta(out, tokenizer, splits)
@@ -124,7 +130,8 @@ def main() -> None:
                                   "Hugging Face tokenizer.json.")
   eot_token = flags.DEFINE_string("eot_token", "", "The tokenizer's end-of-document token "
                                   "(default: the first of <|endoftext|>, </s>, <eos>, ...).")
-  val_fraction = flags.DEFINE_float("val_fraction", 0.01, "Share of documents held out.",
+  val_fraction = flags.DEFINE_float("val_fraction", 0.05, "Share of every document's text "
+                                    "held out (its tail) for the val split.",
                                     lower_bound=0.0, upper_bound=0.5)
   shard_tokens = flags.DEFINE_integer("shard_tokens", 100_000_000, "Tokens per shard file.",
                                       lower_bound=1)

@@ -25,6 +25,7 @@ def main() -> None:
                                                 lock_config=True)
   seeds_flag = flags.DEFINE_list("seeds", ["0", "1", "2"], "Comma-separated seeds.")
   workdir_flag = flags.DEFINE_string("workdir", None, "Required. One folder per seed inside.")
+  cache_flag = command_line.define_runtime_flags()
 
   def run(argv) -> None:
     del argv
@@ -32,7 +33,10 @@ def main() -> None:
     from toolkit.errors import ConfigError  # pylint: disable=g-import-not-at-top
     from toolkit.training import loop  # pylint: disable=g-import-not-at-top
     from toolkit.tuning import seeds as seeds_lib  # pylint: disable=g-import-not-at-top
+    from toolkit import runtime  # pylint: disable=g-import-not-at-top
     command_line.quiet_logging()
+    runtime.start(cache_flag.value, mesh=config_flag.value.mesh)  # CPU-only: quiet, devices
+    command_line.check_platform()
     try:
       seeds = [int(s) for s in seeds_flag.value]
     except ValueError:

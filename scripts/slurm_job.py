@@ -2,7 +2,8 @@
 
   python scripts/slurm_job.py --nodes=2 --gpus-per-node=8 --time=04:00:00 \\
       --config=experiments/lm.py:size=1b --workdir=/shared/runs/lm -- --config.train.steps=1000
-  python scripts/slurm_job.py ... --dry-run > lm.sbatch      # print the script, submit nothing
+  python scripts/slurm_job.py --nodes=2 --gpus-per-node=8 --time=04:00:00 \\
+      --config=experiments/lm.py:size=1b --workdir=/shared/runs/lm --dry-run > lm.sbatch
 
 Without --dry-run the script goes to `sbatch` on stdin. The body is one `srun` of the same
 toolkit.train command in every task; `jax.distributed.initialize()` with no arguments finds
@@ -135,8 +136,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   parser.add_argument("--repo-dir", type=_directive_value, default=str(REPO),
                       help="meshkit checkout on the cluster's shared file system (default: "
                       "this one)")
-  parser.add_argument("--python", default="python",
-                      help="Python with meshkit[cuda] installed (default python)")
+  parser.add_argument("--python", default=".venv/bin/python",
+                      help="Python with meshkit[cuda] installed, relative to --repo-dir or "
+                      "absolute (default .venv/bin/python: the checkout's venv, which `make` "
+                      "creates; install the cuda extra into it)")
   parser.add_argument("--config", required=True,
                       help="experiment file and variant, e.g. experiments/lm.py:size=1b")
   parser.add_argument("--workdir", required=True, type=workdir.argument,

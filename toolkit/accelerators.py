@@ -8,7 +8,7 @@ ahead-of-time compiler takes `TpuType.topology_desc_kwargs()` for
 
   accelerator("v5litepod-16")  # 16 chips, 2 hosts x 8 chips, topology 4x4
   accelerator("v5e-16")        # the same type (GKE / MaxText spelling)
-  python -m toolkit.topology [NAME ...]   # print the table
+  python -m toolkit.topology v5p-128 v5e-16   # print their rows; no names: the whole table
 
 Naming: v4-N and v5p-N count TensorCores (2 per chip, "megacore": JAX sees one device per
 chip), so chips = N/2; v5litepod-N (alias v5e-N) and v6e-N count chips.

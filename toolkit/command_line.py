@@ -16,6 +16,7 @@ import logging as std_logging
 
 import ml_collections
 
+from toolkit import runtime
 from toolkit.errors import ConfigError
 
 
@@ -201,6 +202,7 @@ def parse_flags(argv: list[str], config_flag=None, required: dict[str, str] | No
       as the one positional argument; it is returned after argv[0].
   """
   from absl import flags  # pylint: disable=g-import-not-at-top
+  help_for_console_script(argv)
   # absl's own parser prints "FATAL Flags parsing error" blocks and lets some config_flags
   # exceptions escape as tracebacks; every one of them becomes one line here.
   try:
@@ -227,6 +229,22 @@ def parse_flags(argv: list[str], config_flag=None, required: dict[str, str] | No
     if flags.FLAGS[name].value is None:
       fail(f"--{name} is required; give {what}", USAGE_EXIT)
   return rest
+
+
+def help_for_console_script(argv: list[str]) -> None:
+  """--help of `meshkit-train` & co.: absl lists the flags of the module named by argv[0],
+  which for a console script is the launcher in .venv/bin, defining none; list the command
+  module's flags instead (toolkit.train for meshkit-train), and exit as absl's --help does."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  name = os.path.basename(argv[0])
+  wants_help = any(arg in ("--help", "-help", "-h", "-?", "--helpshort") for arg in argv[1:])
+  if not name.startswith("meshkit-") or not wants_help:
+    return
+  module = f"toolkit.{name.removeprefix('meshkit-')}"
+  doc = (sys.modules[module].__doc__ or "").strip() if module in sys.modules else ""
+  print(f"{doc}\n\nUSAGE: {name} [flags]\n\nflags:\n{flags.FLAGS.module_help(module)}\n\n"
+        f"Try --helpfull to get a list of all flags.")
+  sys.exit(1)
 
 
 def check_platform() -> None:
@@ -259,6 +277,15 @@ def quiet_logging() -> None:
     std_logging.getLogger("tensorboardX").setLevel(std_logging.ERROR)
     std_logging.getLogger("absl").addFilter(_drop_orbax_errors)
     sys.unraisablehook = _without_late_io_callbacks(sys.unraisablehook)
+
+
+def define_runtime_flags():
+  """The flag every command that runs JAX shares: where its compiled programs are cached."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  return flags.DEFINE_string(
+      "compilation_cache", runtime.default_cache_dir(),
+      "Folder of JAX's persistent compilation cache: a restart loads the compiled step from it "
+      "instead of compiling again. --compilation_cache=off turns it off.")
 
 
 def _drop_orbax_errors(record: std_logging.LogRecord) -> bool:

@@ -1,7 +1,11 @@
 """`python -m toolkit.convert` / `meshkit-convert`: Hugging Face checkpoints in and out.
 
-  python -m toolkit.convert import --hf=DIR --workdir=OUT [--config=experiments/lm.py:cpu]
-  python -m toolkit.convert export --workdir=DIR [--step=N] --out=HF_DIR [--hf_source=DIR]
+  python -m toolkit.convert import --hf=runs/hf_tiny --workdir=runs/hf_import
+  python -m toolkit.convert export --workdir=runs/hf_import --out=runs/hf_export
+
+(`python scripts/tiny_hf_model.py --out=runs/hf_tiny` makes a tiny random model to try them.)
+`import` also takes --config=experiments/lm.py:cpu (the mesh and rules to place the weights);
+`export` takes --step=N (default the latest) and --hf_source=DIR (tokenizer files from there).
 
 `import` writes a workdir whose step-0 checkpoint `toolkit.train` continues (fine-tuning) and
 `toolkit.generate` / `toolkit.serve` load; `export` writes config.json, safetensors shards and
@@ -59,6 +63,9 @@ def cli() -> None:
         command_line.fail(f"--{name} is required for `{command}`; give {what}",
                           command_line.USAGE_EXIT)
     # Imported after the flags are checked: a usage mistake is reported without loading JAX.
+    from toolkit import runtime  # pylint: disable=g-import-not-at-top
+    # The CPU when there is no accelerator; the devices an import's --config mesh needs.
+    runtime.start(mesh=config_flag.value.mesh if config_flag.value is not None else None)
     import sharding  # pylint: disable=g-import-not-at-top
     from toolkit import conversion  # pylint: disable=g-import-not-at-top
     from toolkit.errors import ConfigError  # pylint: disable=g-import-not-at-top

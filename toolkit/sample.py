@@ -11,19 +11,24 @@ from toolkit.inference import text
 def cli() -> None:
   """`python -m toolkit.sample --workdir=DIR --prompt="The "`: flags live here only."""
   from absl import app, flags  # pylint: disable=g-import-not-at-top
-  from toolkit import command_line  # pylint: disable=g-import-not-at-top
+  from toolkit import command_line, runtime  # pylint: disable=g-import-not-at-top
   workdir = flags.DEFINE_string("workdir", None, "Required. Workdir of a training run.")
   prompt = flags.DEFINE_string("prompt", "The ", "Text to continue.")
   tokens = flags.DEFINE_integer("tokens", 200, "Tokens to generate (fewer when the model "
                                 "emits its EOS).", lower_bound=1)
-  temperature = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.",
-                                   lower_bound=0.0)
-  seed = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+  temperature = flags.DEFINE_float(
+      "temperature", 0.8, "Sampling temperature; 0 is greedy. The default 0.8 gives varied "
+      "text, like the sample at the end of training (toolkit.generate and toolkit.serve default "
+      "to greedy, 0).", lower_bound=0.0)
+  seed = flags.DEFINE_integer("seed", 0, "Sampling seed: the same seed, prompt and checkpoint "
+                              "give the same text; change it for another sample.")
   tokenizer = define_tokenizer_flag()
+  cache_flag = command_line.define_runtime_flags()
 
   def main(argv):
     del argv
     command_line.quiet_logging()
+    runtime.start(cache_flag.value)  # one device: nothing to simulate
     command_line.check_platform()
     try:
       print(text.sample_from_checkpoint(workdir.value, prompt.value, tokens.value,

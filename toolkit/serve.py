@@ -17,7 +17,7 @@ def cli() -> None:
   from absl import app, flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   import sharding  # pylint: disable=g-import-not-at-top
-  from toolkit import command_line, generate  # pylint: disable=g-import-not-at-top
+  from toolkit import command_line, generate, runtime  # pylint: disable=g-import-not-at-top
   from toolkit.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from toolkit.inference import engine as engine_lib  # pylint: disable=g-import-not-at-top
   from toolkit.inference import offline, requests, restore  # pylint: disable=g-import-not-at-top
@@ -44,10 +44,12 @@ def cli() -> None:
                                     "504.", lower_bound=1.0)
   sampling_flags = generate.define_sampling_flags()
   tokenizer_flag = generate.define_tokenizer_flag()
+  cache_dir_flag = command_line.define_runtime_flags()
 
   def main(argv) -> None:
     del argv
     command_line.quiet_logging()
+    runtime.start(cache_dir_flag.value, mesh=config_flag.value.mesh)
     command_line.check_platform()
     try:
       defaults = requests.sampling_defaults(**{k: f.value for k, f in sampling_flags.items()})
@@ -60,10 +62,11 @@ def cli() -> None:
         batcher = engine_lib.Batcher(engine, batch_flag.value, max_queue=queue_flag.value)
       except RequestError as e:
         raise ConfigError(f"--{e}") from None
+      print(f"restored step {step}; mesh {dict(mesh.shape)}, rules {rules.name}; compiling "
+            f"every prefill and decode shape before listening ...", flush=True)
       start = time.perf_counter()
-      shapes = batcher.warmup()
-      print(f"restored step {step}; mesh {dict(mesh.shape)}, rules {rules.name}; compiled "
-            f"{shapes} shapes in {time.perf_counter() - start:.1f} s", flush=True)
+      shapes = batcher.warmup(log=lambda line: print(line, flush=True))
+      print(f"compiled {shapes} shapes in {time.perf_counter() - start:.1f} s", flush=True)
       info = {"step": step, "batch_size": batch_flag.value, "cache_length": cache_flag.value,
               "mesh": dict(mesh.shape), "rules": rules.name}
       server = Server(batcher, defaults, host_flag.value, port_flag.value, timeout_flag.value,

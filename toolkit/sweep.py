@@ -1,8 +1,12 @@
 """`python -m toolkit.sweep`: a hyperparameter sweep from an experiment's `get_sweep(arg)`
 (toolkit/tuning/runner.py has the modes, the workdir layout and resuming).
 
-  python -m toolkit.sweep --config=experiments/lm.py:cpu --workdir=runs/sweep \\
-      [--max_concurrent=K] [--mode=auto|population|processes]
+  python -m toolkit.sweep --config=experiments/lm.py:cpu --workdir=runs/sweep
+  python -m toolkit.sweep --config=experiments/lm.py:tiny --workdir=runs/sweep_tiny \\
+      --max_concurrent=2 --mode=processes
+
+--mode: auto (population when it can), population or processes; --max_concurrent=K bounds the
+trials at a time (0: all).
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import os
 import sys
 
 import sharding
-from toolkit import command_line
+from toolkit import command_line, runtime
 from toolkit.errors import ConfigError
 from toolkit.tuning import runner
 
@@ -22,7 +26,7 @@ def cli() -> None:
   from absl import app, flags  # pylint: disable=g-import-not-at-top
   config_flag = flags.DEFINE_string(
       "config", None, "Required. Experiment file with get_sweep(arg), and its argument: "
-      "experiments/lm.py:sweep")
+      "experiments/lm.py:cpu")
   workdir_flag = flags.DEFINE_string(
       "workdir", None, "Required. The sweep's directory (trials/, results); rerun to resume.")
   mode_flag = flags.DEFINE_enum(
@@ -31,10 +35,13 @@ def cli() -> None:
   concurrent_flag = flags.DEFINE_integer(
       "max_concurrent", 0, "Trials at a time: the population size, or runs at once in process "
       "mode (0: all trials / as many as the devices allow).", lower_bound=0)
+  cache_flag = command_line.define_runtime_flags()
 
   def main(argv) -> None:
     del argv
     command_line.quiet_logging()
+    runtime.start(cache_flag.value, cpu_devices=(
+        runtime.DEFAULT_CPU_DEVICES, "the sweep's trials"))
     command_line.check_platform()
     try:
       runner.run(config_flag.value, workdir_flag.value, mode_flag.value, concurrent_flag.value)
@@ -49,7 +56,7 @@ def cli() -> None:
 
   app.run(main, flags_parser=lambda argv: command_line.parse_flags(
       argv, None, required={"config": "an experiment file with get_sweep, e.g. "
-                                      "--config=experiments/lm.py:sweep",
+                                      "--config=experiments/lm.py:cpu",
                             "workdir": "a directory for the sweep, e.g. --workdir=runs/sweep"}))
 
 

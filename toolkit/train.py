@@ -12,7 +12,7 @@ import sys
 import jax
 
 import sharding
-from toolkit import command_line
+from toolkit import command_line, runtime
 from toolkit.errors import ConfigError
 from toolkit.inference import text as text_lib
 from toolkit.pod import distributed
@@ -58,6 +58,7 @@ def cli() -> None:
   plan_flag = flags.DEFINE_string(
       "plan", None, "A plan file from `python -m toolkit.compile ... --plan`: its mesh, rules "
       "preset, remat and micro-batch fields are set on top of --config.")
+  cache_flag = command_line.define_runtime_flags()
 
   def main(argv) -> None:
     del argv  # checked in parse_flags
@@ -70,6 +71,7 @@ def cli() -> None:
                                      command_line.override_fields(sys.argv))
       except ConfigError as e:
         command_line.fail(e, command_line.USAGE_EXIT)
+    runtime.start(cache_flag.value, mesh=config.mesh)
     try:
       processes = distributed.initialize(
           coordinator_flag.value, num_processes_flag.value, process_id_flag.value,

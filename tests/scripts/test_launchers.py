@@ -214,8 +214,8 @@ def test_ahead_of_time_compile_arguments():
 def test_libtpu_accepts_the_compile_arguments(name):
   pytest.importorskip("libtpu")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  # Without it the first libtpu load in a process takes /tmp/libtpu_lockfile, and fails while
-  # another process (a second test run on the same machine) holds it.
+  # As toolkit.compile does: without it libtpu takes /tmp/libtpu_lockfile, and fails while
+  # any other process on the machine (another test run) holds it.
   target.prepare_libtpu_environment()
   t = accelerators.accelerator(name)
   assert len(topologies.get_topology_desc(**t.topology_desc_kwargs()).devices) == t.chips
@@ -528,7 +528,7 @@ def test_slurm_script_one_task_per_gpu(tmp_path, recorder):
   assert "JAX_LOCAL_DEVICE_IDS" not in script and "gpus-per-task" not in script.replace(
       "no --gpus-per-task", "")
   [srun] = [shlex.split(line) for line in shell_lines(script) if line.startswith("srun ")]
-  assert srun == ["srun", "--kill-on-bad-exit=1", "python", "-m", "toolkit.train",
+  assert srun == ["srun", "--kill-on-bad-exit=1", ".venv/bin/python", "-m", "toolkit.train",
                   "--config=experiments/lm.py:size=1b", "--workdir=/shared/runs/lm", TRICKY]
   # The script under bash, with a stand-in srun: the directory, environment and arguments.
   subprocess.run(["bash", "-n", "-c", script], check=True, timeout=30)

@@ -46,13 +46,29 @@ def test_round_trip(tmp_path, tokenizer_path):
                               shard_tokens=64, log=lambda _: None)
   assert len(meta["splits"]["train"]) > 2  # small shards: documents span files
   assert meta["dtype"] == "uint16"
-  assert sorted(_documents(out, tokenizer)) == sorted(DOCUMENTS)
+  # Each document's last 30 % (of its characters, rounded) is held out; "a" keeps no tail.
+  heads = [d[:len(d) - round(0.3 * len(d))] for d in DOCUMENTS]
+  tails = [d[len(d) - round(0.3 * len(d)):] for d in DOCUMENTS]
+  assert tails[1] == "" and tails[3] == "Ω" * 90
+  assert sorted(_documents(out, tokenizer)) == sorted(p for p in heads + tails if p)
   if tokenizer_path == "bytes":
     assert (meta["vocab_size"], meta["eot_id"]) == (257, 256)
     assert shards.Tokenizer().decode(shards.Tokenizer().encode(DOCUMENTS[0])) == DOCUMENTS[0]
   else:  # the shipped fixture: a 400-token byte-level BPE with <|endoftext|> = 0
     assert (meta["vocab_size"], meta["eot_id"]) == (400, 0)
     assert len(tokenizer.encode(DOCUMENTS[2])) < len(DOCUMENTS[2].encode())
+
+
+def test_one_file_gives_both_splits_with_the_fraction_of_its_tokens(tmp_path):
+  """The README's one-book case: byte tokens, so val holds 5 % of the text's bytes (+1 for
+  its end-of-document token) and train the rest."""
+  text = "It was the best of times, it was the worst of times. " * 400  # 21,200 bytes
+  (tmp_path / "book.txt").write_text(text)
+  meta = prepare_text.prepare([str(tmp_path / "book.txt")], str(tmp_path / "out"),
+                              shards.Tokenizer(), val_fraction=0.05, shard_tokens=10**6,
+                              log=lambda _: None)
+  counts = {split: sum(e["tokens"] for e in entries) for split, entries in meta["splits"].items()}
+  assert counts == {"train": 20_140 + 1, "val": 1_060 + 1}
 
 
 def test_bad_inputs(tmp_path):
@@ -96,7 +112,8 @@ def test_command_line(tmp_path):
                                      capture_output=True, text=True, timeout=120)
   proc = run(f"--out={tmp_path / 'out'}", "--val_fraction=0.2", *inputs)
   assert proc.returncode == 0, proc.stderr
-  assert "5/5 documents" in proc.stdout and "wrote" in proc.stdout
+  assert "9/9 document parts (train and val parts of 5 documents)" in proc.stdout
+  assert "wrote" in proc.stdout
   assert os.path.isfile(tmp_path / "out" / "meta.json")
   proc = run(f"--out={tmp_path / 'o2'}", str(tmp_path / "missing.txt"))
   assert proc.returncode == 1
@@ -108,12 +125,13 @@ def test_command_line(tmp_path):
                                 "if missing)"
 
 
-def test_a_corpus_drawn_entirely_for_validation_still_trains(tmp_path):
-  """One document drawn for val (its index hashes below 0.5): it trains instead of leaving an
-  empty train split."""
-  assert prepare_text.is_validation(0, 0.5)
-  (tmp_path / "one.txt").write_text("the only document")
+def test_one_document_at_the_largest_val_fraction_still_trains(tmp_path):
+  """The held-out tail never takes a whole document: at --val_fraction's upper bound (0.5) one
+  short document still leaves its head to train on (the document split once left train
+  empty)."""
+  text = "the only document"  # 17 characters: 9 train, 8 held out (round(8.5) = 8)
+  (tmp_path / "one.txt").write_text(text)
   meta = prepare_text.prepare([str(tmp_path / "one.txt")], str(tmp_path / "o"),
                               shards.Tokenizer(), 0.5, 100, log=lambda _: None)
-  assert sum(e["tokens"] for e in meta["splits"]["train"]) == len("the only document") + 1
-  assert not meta["splits"]["val"]
+  assert sum(e["tokens"] for e in meta["splits"]["train"]) == 9 + 1  # + end-of-document
+  assert sum(e["tokens"] for e in meta["splits"]["val"]) == 8 + 1

@@ -117,14 +117,33 @@ def test_tiny_run_writes_progress_eval_checkpoints_metrics_tensorboard_and_plot(
   assert "Traceback" not in result.stdout + result.stderr
   assert not re.search(r"^[IW]\d{4} ", result.stderr, re.M), "absl INFO/WARNING log flood"
   progress = PROGRESS.findall(result.stdout)
-  assert [int(step) for step, total, _ in progress] == [5, 10], result.stdout
+  # The first step's line at once, then every log_every (5) steps.
+  assert [int(step) for step, total, _ in progress] == [1, 5, 10], result.stdout
+  assert "compiling the step ..." in result.stdout
   assert "eval at step 0: loss" in result.stdout
   assert "eval at step 10: loss" in result.stdout
   assert checkpoint_steps(workdir) == {5, 10}
+  assert f"checkpoint: {workdir / 'checkpoints' / '10'}" in result.stdout
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert sorted(r["step"] for r in records if r["kind"] == "train") == list(range(1, 11))
   assert sorted(r["step"] for r in records if r["kind"] == "eval") == [0, 10]
   assert all(r["loss"] > 0 for r in records if r["kind"] in ("train", "eval"))
+  # The progress lines' speed figures are in the records they close too.
+  logged = [r for r in records if r["kind"] == "train" and "tokens_per_second" in r]
+  assert [r["step"] for r in logged] == [1, 5, 10]
+  for r in logged:
+    assert r["tokens_per_second"] == pytest.approx(16 * 32 / r["step_seconds"])  # tiny batch
+    assert 0 < r["mfu"] < 1
+  # Goodput: one record and one line; the phases are disjoint parts of the wall time.
+  [goodput] = [r for r in records if r["kind"] == "goodput"]
+  phases = [goodput[f"{name}_seconds"] for name in
+            ("startup", "compile", "steps", "data_wait", "eval", "checkpoint", "other")]
+  assert all(seconds >= 0 for seconds in phases) and goodput["compile_seconds"] > 0
+  assert sum(phases) == pytest.approx(goodput["wall_seconds"], rel=1e-6)
+  assert goodput["productive_fraction"] == pytest.approx(
+      goodput["steps_seconds"] / goodput["wall_seconds"])
+  assert re.search(r"^goodput \d+\.\d% of [\d.]+ s wall: start-up [\d.]+ s, compile ",
+                   result.stdout, re.M), result.stdout
   # One record per save: how long it blocked the loop, and how long until it was written.
   saves = [r for r in records if r["kind"] == "checkpoint"]
   assert [r["step"] for r in saves] == [5, 10], saves
@@ -155,7 +174,7 @@ def test_sigterm_saves_and_exits_zero_then_the_same_command_resumes(tmp_path):
     process = subprocess.Popen(_command(*args, "--config.train.steps=2000"), cwd=REPO,
                                env=_env(), stdout=stdout, stderr=stderr, text=True)
     try:
-      # Wait until it trains: the first progress line (step 5) is printed inside the loop.
+      # Wait until it trains: the first progress line (step 1) is printed inside the loop.
       deadline = time.monotonic() + RUN_TIMEOUT_S
       while not PROGRESS.search(stdout_path.read_text()):
         assert process.poll() is None, stdout_path.read_text() + stderr_path.read_text()
@@ -174,7 +193,7 @@ def test_sigterm_saves_and_exits_zero_then_the_same_command_resumes(tmp_path):
   stopped = re.search(r"^stopped at step (\d+) on request; checkpoint saved$", output, re.M)
   assert stopped, output
   stop_step = int(stopped.group(1))
-  assert 5 <= stop_step < 2000
+  assert 1 <= stop_step < 2000
   assert checkpoint_steps(workdir) == {stop_step}
 
   final = stop_step + 5
@@ -334,3 +353,14 @@ def test_non_finite_loss_stops_naming_the_step_and_saves_nothing_from_then_on(wo
   assert checkpoint_steps(workdir) == {5, 10}
   assert snapshot(workdir / "checkpoints") == before
   print(line)
+
+
+@pytest.mark.parametrize("script,flag", [("meshkit-train", "--workdir"),
+                                         ("meshkit-generate", "--prompts_file")])
+def test_console_scripts_help_lists_the_commands_flags(script, flag):
+  launcher = pathlib.Path(sys.executable).parent / script
+  if not launcher.exists():
+    pytest.skip(f"{launcher} is not installed (pip install -e .)")
+  done = subprocess.run([str(launcher), "--help"], cwd=REPO, env=_env(), capture_output=True,
+                        text=True, timeout=MISTAKE_TIMEOUT_S)
+  assert f"USAGE: {script} [flags]" in done.stdout and flag in done.stdout, done.stdout

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -212,6 +213,8 @@ class Batcher:
     self._params = [SamplingParams()] * batch_size
     self.counters = collections.Counter()
     self.started = time.perf_counter()
+    # Steps that raised in a row, and the last one's error: /health reports a failing loop.
+    self.consecutive_step_errors, self.last_step_error = 0, ""
 
   # --- admission -----------------------------------------------------------------------------
   def check(self, request: Request) -> None:
@@ -324,34 +327,56 @@ class Batcher:
       raise
     return bool(self.active or not self.queue.empty())
 
-  def warmup(self) -> int:
+  def warmup(self, log: Callable[[str], None] = lambda _: None) -> int:
     """Compiles decode and every (rows, prompt length) prefill bucket, so that no request
-    waits for a compile; returns how many shapes that was. The prefills hold only padding
-    rows, which write nothing; the decode step writes only to free slots."""
+    waits for a compile; returns how many shapes that was, and logs one line per group of
+    shapes (a row count's prompt lengths, then decode) as it goes. The prefills hold only
+    padding rows, which write nothing; the decode step writes only to free slots."""
     engine, size = self.engine, self.batch_size
     rows = sorted({engine.prefill_rows(count, size) for count in range(1, size + 1)})
     lengths, length = [], MIN_PROMPT_BUCKET
     while not lengths or lengths[-1] < engine.cache_length:
       lengths.append(engine.prompt_bucket(length))
       length *= 2
+    total, done = len(rows) * len(lengths) + 1, 0
     for n in rows:
+      start = time.perf_counter()
       for bucket in lengths:
         self.cache, first, _ = engine._prefill(engine.params, self.cache, *engine._rows((
             np.zeros((n, bucket), np.int32), np.ones(n, np.int32), np.full(n, size, np.int32))),
             engine._rows(sampling.row_arrays([SamplingParams()] * n)))
+      np.asarray(first)
+      done += len(lengths)
+      log(f"warm-up {done}/{total} shapes: prefill of {n} row(s) at {len(lengths)} prompt "
+          f"lengths ({lengths[0]}-{lengths[-1]}) in {time.perf_counter() - start:.1f} s")
+    start = time.perf_counter()
     zeros = np.zeros(size, np.int32)
     self.cache, first, _ = engine.decode(self.cache, zeros, zeros,
                                          sampling.row_arrays([SamplingParams()] * size), zeros)
     np.asarray(first)  # wait for it
-    return len(rows) * len(lengths) + 1
+    log(f"warm-up {total}/{total} shapes: decode of {size} slots in "
+        f"{time.perf_counter() - start:.1f} s")
+    return total
 
-  def run(self, stop: threading.Event, wait_s: float = 0.05) -> None:
-    """Steps until `stop` is set (the serving loop's thread)."""
+  def run(self, stop: threading.Event, wait_s: float = 0.05,
+          log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
+          ) -> None:
+    """Steps until `stop` is set (the serving loop's thread). A step that raises has already
+    answered its requests with the error; it is counted (`step_errors`), logged, and the loop
+    goes on; `consecutive_step_errors` says how many failed with no work done in between
+    (an idle step, with nothing to run, neither fails nor resets it)."""
     while not stop.is_set():
+      worked = self.counters["decode_steps"] + self.counters["prefill_calls"]
       try:
         self.step(wait_s)
-      except Exception:  # pylint: disable=broad-except  # already reported to the requests
+        if self.counters["decode_steps"] + self.counters["prefill_calls"] > worked:
+          self.consecutive_step_errors = 0
+      except Exception as e:  # pylint: disable=broad-except
         self.counters["step_errors"] += 1
+        self.consecutive_step_errors += 1
+        self.last_step_error = _describe(e)
+        log(f"error: decode step failed ({self.consecutive_step_errors} in a row, "
+            f"{self.counters['step_errors']} in all): {self.last_step_error}")
 
 
 def _describe(error: Exception) -> str:

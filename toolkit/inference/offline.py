@@ -84,7 +84,7 @@ def run(config: ml_collections.ConfigDict, checkpoint_path: str, *, prompt: str 
   params, model_cfg, mesh, rules, step = restore_params(config, checkpoint_path)
   try:
     engine = engine_lib.Engine(model_cfg, params, mesh, rules, cache_length)
-    batch_size = min(batch_size, engine.prefill_rows(len(prompts), batch_size))
+    asked, batch_size = batch_size, min(batch_size, engine.prefill_rows(len(prompts), batch_size))
     engine.check_batch_size(batch_size)
     for i, (p, q) in enumerate(zip(prompts, sampling_params)):
       try:
@@ -94,8 +94,10 @@ def run(config: ml_collections.ConfigDict, checkpoint_path: str, *, prompt: str 
         raise ConfigError(f"{where}: {e} (--cache_length={cache_length})") from None
   except RequestError as e:
     raise ConfigError(f"--{e}") from None
+  capped = (f" (--batch_size={asked} capped: {len(prompts)} prompt(s) fill {batch_size} slots)"
+            if batch_size < asked else "")
   print(f"restored step {step}; mesh {dict(mesh.shape)}, rules {rules.name}; {len(prompts)} "
-        f"prompt(s), batch {batch_size}, cache length {cache_length}", file=sys.stderr,
+        f"prompt(s), batch {batch_size}{capped}, cache length {cache_length}", file=sys.stderr,
         flush=True)
   results = engine_lib.generate(engine, prompts, sampling_params, batch_size, Progress())
   records = [result_record(r, q, codec) for r, q in zip(results, requests)]

@@ -7,7 +7,8 @@ Endpoints:
   POST /generate  {"prompt": text | "tokens": [ids], max_tokens, temperature, top_k, top_p,
                    seed, stop_tokens} -> {"completion", "tokens", "finish_reason",
                    "prompt_tokens", "completion_tokens", "latency_s", "time_to_first_token_s"}
-  GET  /health    200 {"status": "ok", ...} while the decode loop runs, else 503
+  GET  /health    200 {"status": "ok", ...} while the decode loop runs and not every one of
+                  its last UNHEALTHY_AFTER_STEP_ERRORS steps raised, else 503
   GET  /metrics   Prometheus text: requests, tokens, steps, queue depth, slot use, latency
 
 Threads: aiohttp's event loop parses requests and waits on futures; one batcher thread owns
@@ -36,6 +37,8 @@ from toolkit.inference.sampling import RequestError, SamplingParams
 
 MAX_BODY_BYTES = 1 << 20
 LATENCY_WINDOW = 2048  # recent requests the latency quantiles in /metrics cover
+# /health answers 503 once this many decode steps in a row raised (one can be a bad request).
+UNHEALTHY_AFTER_STEP_ERRORS = 3
 
 
 def _client_mistakes_without_tracebacks(record: logging.LogRecord) -> bool:
@@ -126,11 +129,19 @@ class Service:
     return web.json_response(record)
 
   async def health(self, request: web.Request) -> web.Response:
+    """200 while the decode loop runs and its last steps did not all fail, else 503."""
     del request
-    alive = self.loop_alive()
-    body = {"status": "ok" if alive else "decode loop stopped", **self.info,
-            "active": self.batcher.active, "queued": self.batcher.queue.qsize()}
-    return web.json_response(body, status=200 if alive else 503)
+    failing = self.batcher.consecutive_step_errors
+    if not self.loop_alive():
+      status = "decode loop stopped"
+    elif failing >= UNHEALTHY_AFTER_STEP_ERRORS:
+      status = f"failing: the last {failing} decode steps raised: {self.batcher.last_step_error}"
+    else:
+      status = "ok"
+    body = {"status": status, **self.info, "active": self.batcher.active,
+            "queued": self.batcher.queue.qsize(), "step_errors": self.batcher.counters[
+                "step_errors"]}
+    return web.json_response(body, status=200 if status == "ok" else 503)
 
   async def metrics(self, request: web.Request) -> web.Response:
     del request
@@ -151,6 +162,8 @@ class Service:
     for status in (400, 413, 503):
       add("requests_rejected_total", "counter", "Requests refused before queueing.",
           self.counters[f"rejected_{status}"], f'{{status="{status}"}}')
+    add("step_errors_total", "counter", "Decode-loop steps that raised (their requests got the "
+        "error).", c["step_errors"])
     add("tokens_generated_total", "counter", "Tokens sampled.", c["tokens_generated"])
     add("decode_steps_total", "counter", "Decode steps over the whole batch.", steps)
     add("prefill_calls_total", "counter", "Prefill calls (each admits 1+ requests).",

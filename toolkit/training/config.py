@@ -20,6 +20,7 @@ from models import KINDS, LlamaConfig
 from toolkit.data import text
 from toolkit.errors import ConfigError
 from toolkit.training import init_from
+from toolkit.training.profiler import parse_profile_steps
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -58,6 +59,8 @@ def defaults() -> ml_collections.ConfigDict:
       # Weights to start from, with a fresh optimizer, when neither the workdir nor
       # resume_from has a checkpoint: "hf:DIR", a Hugging Face model folder (toolkit/hf).
       init_from="",
+      # "START:STOP": a jax.profiler trace of steps START..STOP-1 in workdir/profile.
+      profile_steps="",
       # Classifiers: train against targets (1 - s) * one_hot + s / classes (0: off).
       label_smoothing=0.0))
   return c
@@ -257,8 +260,7 @@ def resolve(config: ml_collections.ConfigDict,
                         f"remove it from the experiment's get_config or fix its name")
   check_ranges(config)
   model = model_config(config.model)
-  mesh = sharding.make_mesh(sharding.parse_axis_sizes(config.mesh.ici, "mesh.ici"),
-                            sharding.parse_axis_sizes(config.mesh.dcn, "mesh.dcn"), devices)
+  mesh = _mesh(config.mesh, devices)
   s = config.sharding
   rules = sharding.Rules.preset(s.preset, s.param_overrides, s.activation_overrides)
   if s.replicated_action not in ("warn", "fail"):
@@ -302,8 +304,25 @@ def resolve(config: ml_collections.ConfigDict,
     raise ConfigError(f"train.resume_from={t.resume_from!r} is not a directory; give a workdir "
                       f"or its checkpoints/ folder")
   init_from.parse(t.get("init_from", ""))  # absent from configs saved before it existed
+  parse_profile_steps(t.get("profile_steps", ""), t.steps)  # a bad window: ConfigError
   _check_label_smoothing(t.get("label_smoothing", 0.0), task, kind)  # absent: saved before it
   return RunSpec(model=model, mesh=mesh, rules=rules, batch_ways=batch_ways, task=task)
+
+
+def _mesh(section: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None) -> Mesh:
+  """The config's mesh; on CPU devices a mismatch also names the two ways out."""
+  try:
+    return sharding.make_mesh(sharding.parse_axis_sizes(section.ici, "mesh.ici"),
+                              sharding.parse_axis_sizes(section.dcn, "mesh.dcn"), devices)
+  except sharding.ShardingError as e:
+    found = list(jax.devices() if devices is None else devices)
+    if "devices" not in str(e) or found[0].platform != "cpu":
+      raise
+    raise sharding.ShardingError(
+        f"{e}. On a CPU either simulate devices before JAX starts "
+        f"(XLA_FLAGS=--xla_force_host_platform_device_count=8; the toolkit commands do it from "
+        f"the mesh, toolkit.runtime.simulate_cpu_devices in Python) or fit the mesh to the "
+        f"{len(found)} device(s) there are: --config.mesh.ici=fsdp:-1") from None
 
 
 def _check_label_smoothing(smoothing: float, task: str, kind: str) -> None:

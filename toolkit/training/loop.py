@@ -19,9 +19,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from toolkit.errors import ConfigError
-from toolkit.training import checkpoint, init_from, integrity, metrics as metrics_lib, resume
-from toolkit.training import state as state_lib
-from toolkit.training import step as step_lib, storage, tasks
+from toolkit.training import checkpoint, goodput as goodput_lib, init_from, integrity
+from toolkit.training import metrics as metrics_lib, profiler as profiler_lib, resume
+from toolkit.training import state as state_lib, step as step_lib, storage, tasks
 from toolkit.training.setup import Setup, build, peak_flops_total, work_per_step
 
 
@@ -103,43 +103,52 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
 
   `devices` (default: all) lets a sweep run several trials at once on disjoint devices;
   `sampler`, when given, continues a prompt with the trained model at the end."""
+  goodput = goodput_lib.Goodput()
   # --- setup: validate everything before touching the workdir --------------------------------
-  setup = build(config, devices)
-  hf_folder = init_from.source(config, setup.spec.model, workdir)  # checked, or None
-  prepare_workdir(workdir, checkpoint_bytes(setup))
-  log_setup(config, setup)
+  with goodput.phase("startup"):
+    setup = build(config, devices)
+    hf_folder = init_from.source(config, setup.spec.model, workdir)  # checked, or None
+    prepare_workdir(workdir, checkpoint_bytes(setup))
+    log_setup(config, setup)
 
-  # --- restore or init: the newest checkpoint that restores (damaged ones set aside) ---------
-  checkpoints = checkpoint.Checkpoints(os.path.join(workdir, "checkpoints"),
-                                       keep=config.train.keep_checkpoints)
-  state, data_position = resume.restore_or_init(config, setup, checkpoints, log, hf_folder)
-  start_step = int(jax.device_get(state["step"]))
-  if start_step > config.train.steps:
-    raise ConfigError(f"the checkpoint is at step {start_step}, past train.steps="
-                      f"{config.train.steps}; raise train.steps to continue training")
+    # --- restore or init: the newest checkpoint that restores (damaged ones set aside) -------
+    checkpoints = checkpoint.Checkpoints(os.path.join(workdir, "checkpoints"),
+                                         keep=config.train.keep_checkpoints)
+    state, data_position = resume.restore_or_init(config, setup, checkpoints, log, hf_folder)
+    start_step = int(jax.device_get(state["step"]))
+  result = RunResult(final_step=start_step, train_losses={}, eval_losses={},
+                     stopped_early=False)
+  if start_step >= config.train.steps:
+    checkpoints.close()
+    return nothing_to_train(config, start_step, result)
   if jax.process_index() == 0:
     write_config(config, os.path.join(workdir, "config.json"))
 
   # --- compile once --------------------------------------------------------------------------
-  train_step, eval_step = compile_steps(setup)
+  with goodput.phase("compile"):
+    train_step, eval_step = compile_steps(setup)
 
   # --- loop ----------------------------------------------------------------------------------
   current = Run(config=config, setup=setup, eval_step=eval_step, checkpoints=checkpoints,
-                writer=metrics_lib.MetricWriter(workdir),
-                result=RunResult(final_step=start_step, train_losses={}, eval_losses={},
-                                 stopped_early=False))
+                writer=metrics_lib.MetricWriter(workdir), result=result, goodput=goodput,
+                profiler=profiler_lib.StepProfiler(profiler_lib.parse_profile_steps(
+                    config.train.get("profile_steps", ""), config.train.steps), workdir, log))
   try:
     state = train_loop(current, state, train_step, start_step, data_position)
   except BaseException as e:
     close_outputs(current, failure=e)
     raise
-  close_outputs(current)
-
-  # --- finish: plots and a sample ------------------------------------------------------------
-  current.result.step_traces = setup.step.traces
-  write_plots(current, workdir)
-  if sampler is not None and not current.result.stopped_early:
-    current.result.sample = sampler(config, setup, state)
+  try:
+    close_outputs(current)
+    # --- finish: plots, a sample, where the time went ----------------------------------------
+    current.result.step_traces = setup.step.traces
+    write_plots(current, workdir)
+    if sampler is not None and not current.result.stopped_early:
+      current.result.sample = sampler(config, setup, state)
+    log(f"checkpoint: {os.path.join(checkpoints.directory, str(current.result.final_step))}")
+    write_goodput(current)
+  finally:
+    current.writer.close()
   return current.result
 
 
@@ -196,6 +205,7 @@ def log_setup(config: ml_collections.ConfigDict, setup: Setup) -> None:
 
 def compile_steps(setup: Setup):
   """The compiled train and eval steps, with the compile time and per-device memory logged."""
+  log("compiling the step ...")
   start = time.perf_counter()
   train_step, eval_step = step_lib.compile_step(setup.step, setup.layout,
                                                 setup.batches.abstract(), setup.spec.mesh)
@@ -218,6 +228,9 @@ class Run:
   checkpoints: checkpoint.Checkpoints
   writer: metrics_lib.MetricWriter
   result: RunResult
+  goodput: goodput_lib.Goodput = dataclasses.field(default_factory=goodput_lib.Goodput)
+  profiler: profiler_lib.StepProfiler = dataclasses.field(
+      default_factory=lambda: profiler_lib.StepProfiler(None, ""))
 
   def __post_init__(self):
     self.units_per_step, self.flops_per_step = work_per_step(self.config, self.setup)
@@ -232,10 +245,6 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
   t = config.train
   if start_step == 0:
     evaluate(run_, state, 0)
-  elif start_step == total_steps:
-    log(f"the checkpoint is at train.steps={total_steps} already: nothing to train; raise "
-        f"--config.train.steps to continue")
-    return state
   # Batches are prepared ahead (Grain's threads or workers, or a prefetch thread) while steps
   # run; the iterator places each on the devices and resumes a checkpoint's data position.
   prefetch = config.data.get("prefetch", 2)  # absent from configs saved before it existed
@@ -252,15 +261,19 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
           wait_for_previous_step(pending)
         # The guard turns an implicit host->device copy (say a NumPy array reaching the step)
         # into an error; placing the batch is an explicit transfer and passes.
+        run_.profiler.before_step(current + 1)
         state, step_metrics = train_step(state, batch)
         done = current + 1
+        run_.profiler.after_step(done, step_metrics)
         pending.append((done, step_metrics))
         at_end = done == total_steps
         # Read the stop flag once per step: a signal that lands during this step's flush, eval
         # or save is acted on next step, so "stopped" always means "flushed and saved".
         stopping = stop.should_stop(done)
         save_now = done % t.checkpoint_every == 0 or at_end or stopping
-        if done % t.log_every == 0 or save_now:
+        # The first step's line comes at once (it shows the run is under way), then every
+        # log_every steps.
+        if done % t.log_every == 0 or save_now or done == start_step + 1:
           flush(run_, pending, interval)
         if done % t.eval_every == 0 or at_end:
           evaluate(run_, state, done)
@@ -313,6 +326,9 @@ def flush(run_: Run, pending: list, interval: Interval) -> None:
   result.data_wait_seconds += interval.data_wait
   result.step_seconds += seconds
   fetched[-1]["data_wait_fraction"] = interval.data_wait / seconds if seconds > 0 else 0.0
+  fetched[-1].update(metrics_lib.throughput(seconds / len(pending), run_.units_per_step,
+                                            run_.flops_per_step, run_.peak_flops_total,
+                                            run_.setup.task.unit))
   for (at_step, _), values in zip(pending, fetched):
     values = {k: float(v) for k, v in values.items()}
     # A non-finite gradient poisons the parameters one step before the loss shows it.
@@ -332,7 +348,12 @@ def flush(run_: Run, pending: list, interval: Interval) -> None:
 
 
 def evaluate(run_: Run, state, at_step: int) -> None:
-  """Runs the held-out batches, writes and logs the task's summary."""
+  """Runs the held-out batches, writes and logs the task's summary (timed as eval)."""
+  with run_.goodput.phase("eval"):
+    _evaluate(run_, state, at_step)
+
+
+def _evaluate(run_: Run, state, at_step: int) -> None:
   setup, result = run_.setup, run_.result
   batches = setup.batches
   outputs = [run_.eval_step(state, batches.eval_batch(i)) for i in range(batches.eval_batches)]
@@ -355,8 +376,9 @@ def save(run_: Run, at_step: int, state, position: dict) -> None:
   batch (the Grain iterator state, if any); records the saves that have finished since."""
   assert position["step"] == at_step, (position, at_step)
   config = run_.config
-  run_.checkpoints.save(at_step, state, run_.config_dict,
-                        {**position, "seed": config.seed, "source": config.data.source})
+  with run_.goodput.phase("checkpoint"):
+    run_.checkpoints.save(at_step, state, run_.config_dict,
+                          {**position, "seed": config.seed, "source": config.data.source})
   write_save_timings(run_)
 
 
@@ -371,6 +393,17 @@ def write_save_timings(run_: Run) -> None:
         "blocking_fraction": timing.blocking_seconds / max(timing.seconds, 1e-9)})
 
 
+def nothing_to_train(config: ml_collections.ConfigDict, start_step: int,
+                     result: RunResult) -> RunResult:
+  """A checkpoint at or past train.steps: say so and stop before compiling anything."""
+  if start_step > config.train.steps:
+    raise ConfigError(f"the checkpoint is at step {start_step}, past train.steps="
+                      f"{config.train.steps}; raise train.steps to continue training")
+  log(f"the checkpoint is at train.steps={start_step} already: nothing to train; raise "
+      f"--config.train.steps to continue")
+  return result
+
+
 # --- finish ---------------------------------------------------------------------------------
 
 # After a failure: how long to wait for a save still in flight (a good checkpoint, unless the
@@ -380,20 +413,36 @@ WAIT_AFTER_STORAGE_FAILURE_S = 10
 
 
 def close_outputs(run_: Run, failure: BaseException | None = None) -> None:
-  """Waits for the last checkpoint, records the save timings and closes the writers. After a
+  """Ends the profile window, waits for the last checkpoint (timed as checkpointing) and
+  records the save timings; the metrics writer stays open for the run's last records. After a
   `failure` (about to be raised) the waits are bounded and their own errors dropped, so the
-  first error is the one reported and nothing keeps the process from exiting."""
+  first error is the one reported and nothing keeps the process from exiting, and the writer
+  is closed too."""
   if failure is not None:
+    try:
+      run_.profiler.close()
+    except Exception:  # pylint: disable=broad-except  # the failure is the one to report
+      pass
     storage_failed = isinstance(failure, storage.StorageError)
     run_.checkpoints.close(timeout_s=WAIT_AFTER_STORAGE_FAILURE_S if storage_failed
                            else WAIT_AFTER_FAILURE_S)
     run_.writer.close()
     return
-  try:
+  run_.profiler.close()
+  with run_.goodput.phase("checkpoint"):  # the last async save finishing
     run_.checkpoints.close()
-    write_save_timings(run_)
-  finally:
-    run_.writer.close()
+  write_save_timings(run_)
+
+
+def write_goodput(run_: Run) -> None:
+  """The goodput line and its metrics.jsonl record; the steps' time and the data wait come
+  from the intervals the progress lines measured."""
+  result, goodput = run_.result, run_.goodput
+  goodput.add("steps", max(0.0, result.step_seconds - result.data_wait_seconds))
+  goodput.add("data_wait", result.data_wait_seconds)
+  record = goodput.record()
+  run_.writer.write(result.final_step, "goodput", record)
+  log(goodput_lib.format_line(record))
 
 
 def write_plots(run_: Run, workdir: str) -> None:

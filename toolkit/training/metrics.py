@@ -38,6 +38,18 @@ def progress_line(step: int, total: int, metrics: dict[str, float], step_seconds
   return " | ".join(parts)
 
 
+def throughput(step_seconds: float, units_per_step: int, flops_per_step: float,
+               peak_flops_total: float, unit: str = "tok") -> dict[str, float]:
+  """The progress line's speed figures as metrics.jsonl / TensorBoard fields: step_seconds,
+  tokens_per_second (images_per_second for a classifier) and mfu (when the peak is known)."""
+  name = {"tok": "tokens_per_second", "img": "images_per_second"}.get(unit, f"{unit}_per_second")
+  values = {"step_seconds": step_seconds,
+            name: units_per_step / step_seconds if step_seconds > 0 else 0.0}
+  if peak_flops_total > 0 and step_seconds > 0:
+    values["mfu"] = flops_per_step / step_seconds / peak_flops_total
+  return values
+
+
 class MetricWriter:
   """Appends records to workdir/metrics.jsonl and TensorBoard scalars to workdir/tensorboard.
 
@@ -100,8 +112,14 @@ def read_metrics(path: str) -> list[dict]:
   return [r for r in records if isinstance(r, dict) and "step" in r and "kind" in r]
 
 
+def _points(records: list[dict], kind: str, name: str) -> list[tuple[int, float]]:
+  return sorted({r["step"]: r[name] for r in records if r["kind"] == kind and name in r}.items())
+
+
 def plot_loss_curve(metrics_path: str, png_path: str) -> str | None:
-  """Train and eval loss vs step from the JSONL file, as bits per byte-token."""
+  """Train and eval loss vs step from the JSONL file, in nats as on the console and in
+  metrics.jsonl; beside it on a right axis, bits per token (loss / ln 2) for an LM, or the
+  eval accuracy for a classifier."""
   records = read_metrics(metrics_path)
   if not records or jax.process_index() != 0:
     return None
@@ -110,14 +128,25 @@ def plot_loss_curve(metrics_path: str, png_path: str) -> str | None:
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
   for kind, style in (("train", "-"), ("eval", "o-")):
-    points = sorted({r["step"]: r["loss"] for r in records if r["kind"] == kind}.items())
+    points = _points(records, kind, "loss")
     if points:
-      ax.plot([s for s, _ in points], [l / math.log(2) for _, l in points], style, label=kind)
+      ax.plot([s for s, _ in points], [l for _, l in points], style, label=f"{kind} loss")
   ax.set_title(os.path.basename(os.path.dirname(os.path.abspath(metrics_path))))
   ax.set_xlabel("step")
-  ax.set_ylabel("loss (bits per token)")
+  ax.set_ylabel("loss (nats)")
   ax.grid(alpha=0.3)
-  ax.legend()
+  accuracy = _points(records, "eval", "accuracy")
+  if accuracy:
+    right = ax.twinx()
+    right.plot([s for s, _ in accuracy], [a for _, a in accuracy], "s--", color="tab:green",
+               label="eval accuracy")
+    right.set_ylabel("eval accuracy")
+    right.legend(loc="center right")
+  else:
+    ax.secondary_yaxis("right", functions=(lambda nats: nats / math.log(2),
+                                           lambda bits: bits * math.log(2))
+                       ).set_ylabel("bits per token")
+  ax.legend(loc="upper right")
   fig.tight_layout()
   fig.savefig(png_path)
   plt.close(fig)

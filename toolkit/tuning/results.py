@@ -117,10 +117,10 @@ def plot_curves(results: Sequence[TrialResult], path: str) -> str | None:
   for r in results:
     points = sorted(r.eval_losses.items())
     if points:
-      ax.plot([s for s, _ in points], [l / math.log(2) for _, l in points], "o-", ms=3,
+      ax.plot([s for s, _ in points], [l for _, l in points], "o-", ms=3,
               label=f"{r.trial} ({r.status})")
   ax.set_xlabel("step")
-  ax.set_ylabel("eval loss (bits per token)")
+  ax.set_ylabel("eval loss (nats per token)")
   ax.set_title("eval loss of every trial")
   ax.grid(alpha=0.3)
   if len(results) <= 16:
@@ -149,9 +149,9 @@ def plot_vs_fields(results: Sequence[TrialResult], fields: Sequence[str], path: 
     elif min(xs) > 0 and max(xs) / min(xs) >= 20:
       ax.set_xscale("log")
     colors = ["tab:blue" if r.status == "done" else "tab:gray" for r in finished]
-    ax.scatter(xs, [r.final_eval_loss / math.log(2) for r in finished], c=colors)
+    ax.scatter(xs, [r.final_eval_loss for r in finished], c=colors)
     ax.set_xlabel(field)
-    ax.set_ylabel("final eval loss (bits per token)")
+    ax.set_ylabel("final eval loss (nats per token)")
     ax.grid(alpha=0.3)
   fig.suptitle("final eval loss vs each swept field (gray: stopped early)")
   fig.tight_layout()

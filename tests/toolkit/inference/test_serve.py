@@ -4,6 +4,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -144,6 +145,48 @@ def test_command_line_mistakes_are_one_error_line(tmp_path):
       f"error: --checkpoint='{tmp_path / 'missing'}' does not exist")
 
 
+class _FailingEngine:
+  """The real engine, except that every prefill raises (say the device went away)."""
+
+  def __init__(self, engine):
+    self._engine = engine
+
+  def __getattr__(self, name):
+    return getattr(self._engine, name)
+
+  def prefill(self, *args, **kwargs):
+    raise RuntimeError("device lost")
+
+
+def test_failing_steps_are_logged_exported_and_make_health_fail(server, capfd):
+  batcher = engine_lib.Batcher(server.batcher.engine, batch_size=4, max_queue=16)
+  batcher.engine = _FailingEngine(server.batcher.engine)
+  failing = server_lib.Server(batcher, port=0, request_timeout_s=TIMEOUT_S).start()
+  try:
+    statuses = []
+    for _ in range(server_lib.UNHEALTHY_AFTER_STEP_ERRORS):
+      status, body = post(failing.url, b'{"prompt": "abc", "max_tokens": 2}')
+      statuses.append(status)
+      assert "device lost" in json.dumps(body)
+    assert all(status >= 500 for status in statuses), statuses
+    # A request is answered just before its step counts as failed: wait for the count.
+    deadline = time.monotonic() + TIMEOUT_S
+    while batcher.consecutive_step_errors < 3 and time.monotonic() < deadline:
+      time.sleep(0.01)
+    with pytest.raises(urllib.error.HTTPError) as error:
+      urllib.request.urlopen(failing.url + "/health", timeout=TIMEOUT_S)
+    health = json.loads(error.value.read())
+    assert error.value.code == 503 and health["status"].startswith("failing: the last 3 ")
+    assert "device lost" in health["status"] and health["step_errors"] == 3
+    with urllib.request.urlopen(failing.url + "/metrics", timeout=TIMEOUT_S) as response:
+      assert "meshkit_step_errors_total 3" in response.read().decode().splitlines()
+  finally:
+    failing.stop()
+  logged = [line for line in capfd.readouterr().err.splitlines()
+            if line.startswith("error: decode step failed")]
+  assert len(logged) == 3 and "3 in a row, 3 in all" in logged[-1] and "device lost" in logged[-1]
+
+
 # --- fuzzing: a few hundred malformed requests, each a 4xx, never a 5xx or a traceback --------
 
 FUZZ_REQUESTS = 300
@@ -214,7 +257,6 @@ def post_raw(url: str, body: bytes, headers: dict) -> tuple[int, bytes]:
 def test_fuzz_malformed_requests_get_4xx_and_valid_ones_still_right(server, capfd):
   import logging  # pylint: disable=g-import-not-at-top
   import random  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
   records: list[logging.LogRecord] = []
   handler = logging.Handler(logging.WARNING)
   handler.emit = records.append

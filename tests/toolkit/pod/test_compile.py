@@ -15,6 +15,7 @@ band asserted here is [0.2, 1.5]: below is a broken estimate, not a cache effect
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import re
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import pytest
 
@@ -62,17 +64,30 @@ def _compile_cli(*args: str) -> subprocess.CompletedProcess:
                         capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False)
 
 
-def _check_memory(report: report_lib.Report) -> None:
-  m = report.memory
-  assert m["total"] == (m["arguments"] + m["outputs"] + m["temporaries"] + m["generated_code"]
-                        - m["aliased"])
-  assert m["total"] > 0 and m["arguments"] > 0
+def _sharded_bytes(tree) -> int:
+  """Bytes per device of abstract arrays as their shardings split them: JAX's sharding API,
+  not the compiler's memory analysis nor the analytic estimate."""
+  return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+             for leaf in jax.tree.leaves(tree))
+
+
+def _check_memory(report: report_lib.Report, config, target: target_lib.Target,
+                  padding: float) -> None:
+  """The compiler's argument bytes and the estimate's parameter and optimizer bytes against
+  the run's own arrays as sharded on the target (a TPU pads small arrays to its tiles: up to
+  `padding` x more)."""
+  m, a = report.memory, report.analytic
+  setup = train.build(config, devices=list(target.devices))
+  state, batch = setup.layout.abstract, setup.batches.abstract()
+  inputs = _sharded_bytes(state) + _sharded_bytes(batch)
+  assert inputs <= m["arguments"] <= padding * inputs, (m["arguments"], inputs)
+  assert m["total"] >= m["arguments"] - m["aliased"]
   ratio = report.analytic["ratio_compiled_to_analytic"]
   assert RATIO_BAND[0] <= ratio <= RATIO_BAND[1], ratio
-  a = report.analytic
-  parts = ("params", "optimizer", "gradients", "activations", "logits", "weights_in_use")
-  assert a["total"] == pytest.approx(sum(a[p] for p in parts))
-  assert a["optimizer"] == 2 * a["params"]
+  # The estimate's parameters and AdamW moments against the arrays optax really keeps (the
+  # estimate splits every tensor evenly; the replicated norm scales make up the 2 %).
+  assert a["params"] == pytest.approx(_sharded_bytes(state["params"]), rel=0.02)
+  assert a["optimizer"] == pytest.approx(_sharded_bytes(state["opt_state"]), rel=0.02)
 
 
 # --- TPU targets ----------------------------------------------------------------------------
@@ -89,9 +104,10 @@ def test_cpu_lm_compiles_and_fits_on_small_slices(topology):
   assert os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1"
   assert os.environ["TPU_LOG_DIR"].rstrip("/") != "/tmp/tpu_logs"
   assert os.path.isfile(os.path.join(os.environ["TPU_LOG_DIR"], "libtpu_init.log"))
-  _check_memory(report)
+  # TPU layouts pad the cpu model's small arrays to tiles: 1.91x the bytes measured on v5e-8.
+  _check_memory(report, config, tpu, padding=2.5)
   assert report.memory["hbm"] == tpu.tpu.hbm_bytes_per_chip
-  assert report.memory["headroom"] == report.memory["hbm"] - report.memory["total"]
+  assert 0 < report.memory["headroom"] < report.memory["hbm"]  # fits, and uses some HBM
   # The mesh is the config's, its -1 filled from the target: fsdp x tensor=2.
   assert report.run["mesh"] == {"data": 1, "fsdp": len(tpu.devices) // 2, "tensor": 2}
   # remat none: the traced matmul FLOPs are the formula's (both count attention in full).
@@ -218,9 +234,10 @@ def test_cli_compiles_for_simulated_host_devices(tmp_path):
   assert report["target"]["kind"] == "cpu" and report["target"]["devices"] == 8
   assert report["verdict"] == "no chip" and report["memory"]["hbm"] is None
   assert report["run"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
-  m = report["memory"]
-  assert m["total"] == (m["arguments"] + m["outputs"] + m["temporaries"] + m["generated_code"]
-                        - m["aliased"])
+  # The compiler's argument bytes are the state and the batch as sharded, exactly, on CPU.
+  setup = train.build(lm.get_config("tiny"), devices=jax.devices()[:8])
+  inputs = _sharded_bytes(setup.layout.abstract) + _sharded_bytes(setup.batches.abstract())
+  assert report["memory"]["arguments"] == inputs
   # CPU has no reduce-scatter: gradients come as (tuple-typed) all-reduces.
   assert any(c["kind"] == "all-reduce" for c in report["collectives"])
   assert "compiled (a CPU target" in result.stdout

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.tiny_runs import tiny_config
-from toolkit.training import checkpoint, resume, state as state_lib
+from toolkit.training import checkpoint, resume, state as state_lib, step as step_lib
 from toolkit import training
 from toolkit.errors import ConfigError
 
@@ -68,19 +68,38 @@ def test_resume_in_a_new_process_is_bitwise_identical(tmp_path):
   assert sorted(os.listdir(os.path.join(straight, "checkpoints"))) == before
 
 
-@pytest.mark.parametrize("target_ici,target_preset,devices", [
-    ("data:2,fsdp:2,tensor:2", "fsdp_tp", 8), ("fsdp:8", "fsdp", 8), ("data:1", "dp", 1)])
-def test_restore_onto_a_different_mesh(tmp_path, target_ici, target_preset, devices):
+@pytest.fixture(scope="module")
+def trained_checkpoint(tmp_path_factory):
+  """A checkpoint of a *trained* state on fsdp=4 x tensor=2: three real steps, so the step
+  counter is 3 and Adam's moments are nonzero (a fresh init would restore zeros and prove
+  little), and the host copy of that state."""
   source = training.build(tiny_config("fsdp_tp", "fsdp:4,tensor:2"))
   state = state_lib.create(source.spec.model, source.optimizer, source.layout, seed=3)
-  manager = checkpoint.Checkpoints(str(tmp_path / "checkpoints"))
-  manager.save(7, state, {"model": {}}, {"step": 7})
+  train_step, _ = step_lib.compile_step(source.step, source.layout, source.batches.abstract(),
+                                        source.spec.mesh)
+  for step in range(3):
+    state, _ = train_step(state, source.batches.batch(step))
+  directory = tmp_path_factory.mktemp("trained")
+  manager = checkpoint.Checkpoints(str(directory / "checkpoints"))
+  manager.save(3, state, {"model": {}}, {"step": 3})
   manager.close()
+  host = jax.device_get(state)
+  assert int(host["step"]) == 3
+  moments = [x for x in jax.tree.leaves(host["opt_state"])
+             if np.issubdtype(np.asarray(x).dtype, np.floating)]
+  assert moments and all(np.any(np.asarray(x) != 0) for x in moments)
+  return directory, host
 
+
+@pytest.mark.parametrize("target_ici,target_preset,devices", [
+    ("data:2,fsdp:2,tensor:2", "fsdp_tp", 8), ("fsdp:8", "fsdp", 8), ("data:1", "dp", 1)])
+def test_restore_onto_a_different_mesh(trained_checkpoint, target_ici, target_preset, devices):
+  directory, state = trained_checkpoint
   target_config = tiny_config(target_preset, target_ici)
-  restored, data_position, target = _restore(str(tmp_path), 7, target_config,
+  restored, data_position, target = _restore(str(directory), 3, target_config,
                                              jax.devices()[:devices])
-  assert data_position == {"step": 7}
+  assert data_position == {"step": 3}
+  assert int(restored["step"]) == 3
   for got, want, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(state),
                                  jax.tree.leaves(target.layout.shardings)):
     assert got.sharding == sharding

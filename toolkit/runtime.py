@@ -1,0 +1,127 @@
+"""JAX's process-wide settings, chosen by the commands before JAX starts a backend.
+
+- Platform: with libtpu installed (`make test` installs it, to compile for TPUs from a CPU)
+  JAX's backend discovery loads libtpu even on a machine without TPU chips, and libtpu prints
+  five lines of start-up noise, one an `E0000 ... INVALID_ARGUMENT` that reads like a crash.
+  `use_cpu_without_accelerator` pins JAX to the CPU when no TPU chip and no GPU is visible and
+  JAX_PLATFORMS is unset; TPU and GPU machines keep JAX's own discovery.
+- Simulated devices: on a CPU-only run, `simulate_cpu_devices` gives the mesh of a config the
+  host devices it needs (8 for a mesh with a -1 size), unless XLA_FLAGS already says how many.
+- Compilation cache: `enable_compilation_cache` turns on JAX's persistent cache in a folder, so
+  a restart loads its compiled programs instead of compiling them again.
+
+`start` does all three; every command calls it first (its flag: --compilation_cache), and a
+Python session can too, before its first JAX array:
+
+  from toolkit import runtime
+  runtime.start(mesh=config.mesh)   # CPU-only machine: quiet, and the devices the mesh needs
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+
+import sharding
+
+# Simulated CPU devices for a mesh with a -1 size: the device count the CPU configs are made
+# for (experiments/*.py: cpu variants on 8 devices).
+DEFAULT_CPU_DEVICES = 8
+_DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"
+
+
+def default_cache_dir() -> str:
+  """JAX's compiled programs under the user's cache folder ($XDG_CACHE_HOME or ~/.cache)."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "meshkit", "jax_compilation_cache")
+
+
+def accelerator_visible() -> bool:
+  """Whether this machine shows a TPU chip or a GPU (JAX's own hardware probes)."""
+  try:
+    from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
+    tpu_chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
+    return (tpu_chips > 0 or hardware_utils.has_visible_nvidia_gpu()
+            or hardware_utils.num_available_amd_gpus(stop_at=1) > 0)
+  except Exception:  # pylint: disable=broad-except  # a JAX without these probes: let JAX choose
+    return True
+
+
+def use_cpu_without_accelerator() -> bool:
+  """Pins JAX to the CPU on a machine without TPU or GPU; True when JAX will run on the CPU.
+
+  JAX_PLATFORMS (or jax_platforms) given by the user wins. Also exported to the environment so
+  that processes started from here (Grain workers, sweep trials) stay quiet too.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  chosen = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS")
+  if chosen:
+    return chosen == "cpu"
+  if accelerator_visible():
+    return False
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  jax.config.update("jax_platforms", "cpu")
+  return True
+
+
+def cpu_devices_for_mesh(ici: str, dcn: str = "") -> int | None:
+  """Host devices a mesh spec needs on a CPU: the product of its sizes, and with a -1 size
+  the least multiple of the fixed sizes that is at least DEFAULT_CPU_DEVICES. None when the
+  spec does not parse (the config's validation reports that)."""
+  try:
+    sizes = [size for text in (ici, dcn) for _, size in sharding.parse_axis_sizes(text)]
+  except sharding.ShardingError:
+    return None
+  fixed = math.prod(size for size in sizes if size != -1)
+  if fixed < 1:
+    return None
+  if -1 not in sizes:
+    return fixed
+  return fixed * max(1, math.ceil(DEFAULT_CPU_DEVICES / fixed))
+
+
+def simulate_cpu_devices(count: int | None, what: str,
+                         log: Callable[[str], None] = print) -> int | None:
+  """Sets the CPU device count before JAX starts and says so in one line naming `what` needs
+  them; returns the count set.
+
+  Does nothing (returns None) when XLA_FLAGS or jax_num_cpu_devices already set a count, or
+  for one device. Call only for a run on the CPU, before the first JAX array.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  if _DEVICE_COUNT_FLAG in os.environ.get("XLA_FLAGS", "") or jax.config.jax_num_cpu_devices > 0:
+    return None
+  if not count or count == 1:
+    return None
+  jax.config.update("jax_num_cpu_devices", count)
+  log(f"no TPU or GPU here: simulating {count} CPU devices for {what} (choose another count "
+      f"with XLA_FLAGS=--{_DEVICE_COUNT_FLAG}=N)")
+  return count
+
+
+def enable_compilation_cache(path: str) -> None:
+  """JAX's persistent compilation cache in `path` (created if missing), for every program:
+  with JAX's default threshold (1 s of compiling) the state's init and the eval step, which
+  compile in under a second each, were compiled again on every restart."""
+  import jax  # pylint: disable=g-import-not-at-top
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def start(compilation_cache: str | None = None, mesh=None,
+          cpu_devices: tuple[int, str] | None = None,
+          log: Callable[[str], None] = print) -> None:
+  """Process set-up before JAX starts: the CPU when there is no TPU or GPU (quiet start-up),
+  simulated CPU devices for `mesh` (a config's mesh section, fields ici and dcn) or
+  `cpu_devices` (count, what needs them), and the compilation cache in the folder
+  `compilation_cache` (none when it is None, "" or "off")."""
+  if use_cpu_without_accelerator():
+    if mesh is not None:
+      dcn = mesh.get("dcn", "") or ""
+      what = f"mesh.ici={mesh.ici}" + (f", mesh.dcn={dcn}" if dcn else "")
+      simulate_cpu_devices(cpu_devices_for_mesh(mesh.ici, dcn), what, log)
+    elif cpu_devices is not None:
+      simulate_cpu_devices(*cpu_devices, log=log)
+  if compilation_cache not in (None, "", "off"):
+    enable_compilation_cache(compilation_cache)
