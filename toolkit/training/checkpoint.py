@@ -146,6 +146,8 @@ class Checkpoints:
           state=ocp.args.PyTreeSave(state), config=ocp.args.JsonSave(config),
           data=ocp.args.JsonSave(data_position),
           integrity=ocp.args.JsonSave(integrity.collect(fingerprints))), force=True)
+    except jax.errors.JaxRuntimeError:
+      raise  # a peer or the distributed runtime failed, not the storage: the command reports it
     except Exception as e:  # pylint: disable=broad-except  # Orbax/TensorStore raise many kinds
       raise self._write_failed(e) from None
 
@@ -167,6 +169,8 @@ class Checkpoints:
     self._raise_failure()
     try:
       self.manager.wait_until_finished()
+    except jax.errors.JaxRuntimeError:
+      raise  # as in _write: the runtime's failure, not the storage's
     except Exception as e:  # pylint: disable=broad-except
       raise self._write_failed(e) from None
 
@@ -182,6 +186,9 @@ class Checkpoints:
       return
     try:
       self.wait()
+      # Orbax removes the temporary folders of an earlier run's unfinished saves in a thread it
+      # awaits only at the next save; a run that never saved must not exit before it is done.
+      getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
     finally:
       storage.call_bounded(self.manager.close, 60, "closing the checkpoint manager")
 
