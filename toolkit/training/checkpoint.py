@@ -89,6 +89,12 @@ def _drop_read_only_notice(record: logging.LogRecord) -> bool:
   return not record.getMessage().startswith("Given directory is read only")
 
 
+# One writer thread for every manager in the process: Orbax's asynchronous-save signals are
+# process-wide, and two managers saving from two threads at once time out on them or remove each
+# other's temporary folders (a population sweep saves K trials' managers in turn).
+_WRITER = storage.Writer("checkpoint writer")
+
+
 class Checkpoints:
   """A CheckpointManager over `directory` with items state / config / data / integrity."""
 
@@ -110,7 +116,7 @@ class Checkpoints:
     except OSError as e:
       raise storage.StorageError(f"checkpoint folder {self.directory} cannot be used "
                                  f"({storage.cause(e)}); {storage.fix(e)}") from None
-    self._writer = storage.Writer("checkpoint writer")
+    self._writer, self._failure = _WRITER, None
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -137,7 +143,7 @@ class Checkpoints:
       write()
       timing.blocking_seconds = time.perf_counter() - timing.started
     else:
-      self._writer.submit(write)
+      self._writer.submit(lambda: self._keep_failure(write))
 
   def _write(self, step: int, state: State, fingerprints: integrity.Pending, config: dict,
              data_position: dict) -> None:
@@ -159,9 +165,16 @@ class Checkpoints:
         timing.written = time.perf_counter()
         return
 
+  def _keep_failure(self, write) -> None:
+    """Runs `write` on the shared writer thread; its failure is this manager's to raise."""
+    try:
+      write()
+    except BaseException as e:  # pylint: disable=broad-except  # raised by the next save/wait
+      self._failure = self._failure or e
+
   def _raise_failure(self) -> None:
-    if self._writer.failure is not None:
-      raise self._writer.failure
+    if self._failure is not None:
+      raise self._failure
 
   def wait(self) -> None:
     """Blocks until the last save is on disk; StorageError if a save failed."""

@@ -125,7 +125,11 @@ def test_checkpoint_folder_turns_read_only_during_the_run(tmp_path):
       while not (workdir / "checkpoints" / "2").is_dir():
         assert run.process.poll() is None and time.monotonic() < deadline, run.stderr
         time.sleep(0.05)  # polling interval, not a wait for readiness
-      assert _mount("-o", "remount,ro", str(workdir / "checkpoints"))
+      # A remount to read-only fails (busy) while a save holds a file open for writing: retry
+      # until it lands between two saves.
+      while not _mount("-o", "remount,ro", str(workdir / "checkpoints")):
+        assert run.process.poll() is None and time.monotonic() < deadline, run.stderr
+        time.sleep(0.05)  # polling interval, not a wait for readiness
     fault = time.monotonic()
     result, ended = run.wait()
     line = the_error_line(result)
