@@ -1,6 +1,7 @@
 """The metric writer's TensorBoard output without torch: tensorboardX's package imports torch
 whenever it is installed (1.4 s of a restart's time to its first step), so the writer loads
-tensorboardX with torch hidden. Checked in a fresh process: this one may have imported torch."""
+tensorboardX with torch hidden. Likewise the training command imports Grain only for the data
+that reads through it. Checked in a fresh process: this one may have imported both."""
 from __future__ import annotations
 
 import subprocess
@@ -10,6 +11,8 @@ from tests.toolkit.test_cli import REPO, _env
 
 _WRITE_AND_READ_BACK = """
 import importlib.util, pathlib, struct, sys
+import toolkit.train
+assert "grain" not in sys.modules, "the training command imported Grain"
 from toolkit.training import metrics
 workdir = pathlib.Path(sys.argv[1])
 writer = metrics.MetricWriter(str(workdir))
@@ -31,7 +34,7 @@ if importlib.util.find_spec("torch") is not None:
 """
 
 
-def test_tensorboard_scalars_are_written_without_importing_torch(tmp_path):
+def test_training_imports_and_tensorboard_scalars_without_torch_or_grain(tmp_path):
   result = subprocess.run([sys.executable, "-c", _WRITE_AND_READ_BACK, str(tmp_path)], cwd=REPO,
                           env=_env(), capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode == 0, result.stdout + result.stderr
