@@ -112,6 +112,8 @@ def fingerprint_cost(config, devices, time_it: bool) -> dict:
 
 def main(argv) -> None:
   del argv
+  from toolkit import runtime  # pylint: disable=g-import-not-at-top
+  runtime.start()  # no TPU or GPU: JAX on the CPU, without libtpu's start-up lines
   from absl import logging  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
   import jax  # pylint: disable=g-import-not-at-top

@@ -146,6 +146,8 @@ def serve_under_load(engine) -> dict:
 
 def main(argv) -> None:
   del argv
+  from toolkit import runtime  # pylint: disable=g-import-not-at-top
+  runtime.start()  # no TPU or GPU: JAX on the CPU, without libtpu's start-up lines
   if _QUICK.value:
     _apply_quick()
   if "device_count" not in os.environ.get("XLA_FLAGS", ""):

@@ -143,6 +143,8 @@ def main() -> None:
 
   def run(argv) -> None:
     del argv
+    from toolkit import runtime  # pylint: disable=g-import-not-at-top
+    runtime.start()  # no TPU or GPU: JAX on the CPU, without libtpu's start-up lines
     if measure_only.value:
       print(json.dumps(measure(folder.value, measure_only.value == "naive")), flush=True)
       return

@@ -111,6 +111,8 @@ def format_report(result: dict) -> str:
 
 def main(argv) -> None:
   del argv
+  from toolkit import runtime  # pylint: disable=g-import-not-at-top
+  runtime.start()  # no TPU or GPU: JAX on the CPU, without libtpu's start-up lines
   rounds, per_round, warmup = _ROUNDS.value, _STEPS_PER_ROUND.value, _WARMUP_STEPS.value
   if _QUICK.value:
     rounds, per_round, warmup = 2, 2, 1

@@ -27,6 +27,8 @@ def main() -> None:
 
   def run(argv) -> None:
     del argv
+    from toolkit import runtime  # pylint: disable=g-import-not-at-top
+    runtime.start()  # no TPU or GPU: JAX on the CPU, without libtpu's start-up lines
     import jax  # pylint: disable=g-import-not-at-top
     from toolkit import training  # pylint: disable=g-import-not-at-top
     from toolkit.errors import ConfigError  # pylint: disable=g-import-not-at-top

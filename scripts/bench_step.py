@@ -342,6 +342,8 @@ def _set_device_count(devices: int) -> None:
 
 
 def main(argv) -> None:
+  from toolkit import runtime  # pylint: disable=g-import-not-at-top
+  runtime.start()  # no TPU or GPU: JAX on the CPU, without libtpu's start-up lines
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if _QUICK.value:

@@ -110,6 +110,8 @@ def sweep_times(sweep_arg: str, trials: int, steps: int) -> dict:
 
 def main(argv) -> None:
   del argv
+  from toolkit import runtime  # pylint: disable=g-import-not-at-top
+  runtime.start()  # no TPU or GPU: JAX on the CPU, without libtpu's start-up lines
   from toolkit import command_line  # pylint: disable=g-import-not-at-top
   command_line.quiet_logging()
   sweep_arg, trials = _SWEEP.value, _TRIALS.value
