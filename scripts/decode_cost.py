@@ -31,6 +31,13 @@ _JSON = flags.DEFINE_string("json", "", "Write the numbers as JSON here.")
 def decode_cost(model_name: str, topology: str, mesh_text: str, preset: str, batch: int,
                 cache_length: int, unroll: bool) -> dict:
   """Compiles the decode step for `topology` on abstract inputs; returns its costs."""
+  return costs(*compile_decode(model_name, topology, mesh_text, preset, batch, cache_length,
+                               unroll))
+
+
+def compile_decode(model_name: str, topology: str, mesh_text: str, preset: str, batch: int,
+                   cache_length: int, unroll: bool):
+  """The compiled decode step and what `costs` reports beside it."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -64,6 +71,16 @@ def decode_cost(model_name: str, topology: str, mesh_text: str, preset: str, bat
                  out_shardings=(cache_sharding, rows, spec(("batch", "vocab"))))
   compiled = step.lower(layout.abstract["params"], {"k": one_cache, "v": one_cache},
                         token_rows, token_rows, row_arrays, token_rows).compile()
+  return compiled, model_name, topology, mesh, preset, batch, cache_length, unroll, model_cfg, \
+      cache_shape
+
+
+def costs(compiled, model_name, topology, mesh, preset, batch, cache_length, unroll, model_cfg,
+          cache_shape) -> dict:
+  """XLA's cost and memory analysis of a compiled decode step, as plain numbers."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   memory = compiled.memory_analysis()
