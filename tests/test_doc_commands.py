@@ -232,10 +232,20 @@ def _env() -> dict[str, str]:
   return env
 
 
-def _run(text: str, kind: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+def _run(text: str, kind: str, cwd: pathlib.Path,
+         where: str = "") -> subprocess.CompletedProcess:
+  """Runs a command as pasted. With DOC_COMMANDS_REPORT=FILE in the environment, appends
+  {where, command, exit, seconds} to FILE as one JSON line (the table of a fresh clone's run)."""
   argv = [sys.executable, "-c", text] if kind == "python" else ["bash", "-c", text]
-  return subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True,
-                        timeout=COMMAND_TIMEOUT_S, check=False)
+  start = time.monotonic()
+  result = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True,
+                          timeout=COMMAND_TIMEOUT_S, check=False)
+  report = os.environ.get("DOC_COMMANDS_REPORT")
+  if report:
+    with open(report, "a", encoding="utf-8") as f:
+      f.write(json.dumps({"where": where, "command": text, "exit": result.returncode,
+                          "seconds": round(time.monotonic() - start, 1)}) + "\n")
+  return result
 
 
 def _free_port() -> int:
@@ -271,7 +281,7 @@ def _ensure_inputs(text: str, workspace: pathlib.Path) -> None:
     producer = next(c for c in doc_commands.all_commands() if re.search(pattern, c.text))
     _ensure_inputs(producer.text, workspace)
     runnable = _runnable(producer.text, workspace, _free_port(), producer.kind)
-    _check(_run(runnable, producer.kind, workspace), producer, runnable)
+    _check(_run(runnable, producer.kind, workspace, producer.where), producer, runnable)
 
 
 def _serve(case, workspace: pathlib.Path) -> None:
@@ -289,7 +299,7 @@ def _serve(case, workspace: pathlib.Path) -> None:
     assert lines[-1].startswith("serving on"), f"{case[0].where}: no server\n{''.join(lines)}"
     for client in case[1:]:
       text = _runnable(client.text, workspace, port, client.kind)
-      result = _run(text, client.kind, workspace)
+      result = _run(text, client.kind, workspace, client.where)
       _check(result, client, text)
       if text.startswith("curl"):
         assert result.stdout.strip(), f"{client.where}: empty reply"
@@ -328,4 +338,4 @@ def test_documented_command_runs(case, workspace):
     _serve(case, workspace)
     return
   text = _runnable(case[0].text, workspace, _free_port(), case[0].kind)
-  _check(_run(text, case[0].kind, workspace), case[0], text)
+  _check(_run(text, case[0].kind, workspace, case[0].where), case[0], text)
