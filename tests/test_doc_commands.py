@@ -59,6 +59,9 @@ SKIP = {
     r"^python scripts/bench_\w+\.py\s*(#|$)": "a full benchmark (minutes); its --quick run "
                                                "is here",
     r"bench_step\.py --devices=1": "a full benchmark (minutes) on one device; --quick is here",
+    r"bench_train\.py --baseline=/tmp/base": "trains in two checkouts (minutes), the second a "
+                                             "worktree the user makes first; tests/scripts runs "
+                                             "it against this checkout",
     r"def get_sweep": "an excerpt of experiments/lm.py's get_sweep, shown for its fields",
 }
 # Launchers that would call gcloud / sbatch: their documented --dry-run instead.
