@@ -18,14 +18,18 @@ import os
 
 from absl import app, flags
 
-_MODEL = flags.DEFINE_string("model", "7b", "Model preset (models.llama.PRESETS).")
-_TOPOLOGY = flags.DEFINE_string("topology", "v5e-8", "TPU type (v5e-8, v5p-8, ...) or cpu:N.")
-_MESH = flags.DEFINE_string("mesh", "data:1,fsdp:-1,tensor:2", "Mesh axes (-1 fills).")
-_RULES = flags.DEFINE_string("rules", "fsdp_tp", "Sharding preset.")
-_BATCH = flags.DEFINE_integer("batch", 16, "Cache slots decoded per step.")
-_CACHE_LENGTH = flags.DEFINE_integer("cache_length", 4096, "KV cache positions per slot.")
-_UNROLL = flags.DEFINE_bool("unroll", True, "Unroll the layers (see the docstring).")
-_JSON = flags.DEFINE_string("json", "", "Write the numbers as JSON here.")
+
+def define_flags() -> None:
+  """The command's flags, defined only when it runs as a script: tests import this module
+  beside other scripts whose flags share names (--mesh, --rules)."""
+  flags.DEFINE_string("model", "7b", "Model preset (models.llama.PRESETS).")
+  flags.DEFINE_string("topology", "v5e-8", "TPU type (v5e-8, v5p-8, ...) or cpu:N.")
+  flags.DEFINE_string("mesh", "data:1,fsdp:-1,tensor:2", "Mesh axes (-1 fills).")
+  flags.DEFINE_string("rules", "fsdp_tp", "Sharding preset.")
+  flags.DEFINE_integer("batch", 16, "Cache slots decoded per step.")
+  flags.DEFINE_integer("cache_length", 4096, "KV cache positions per slot.")
+  flags.DEFINE_bool("unroll", True, "Unroll the layers (see the docstring).")
+  flags.DEFINE_string("json", "", "Write the numbers as JSON here.")
 
 
 def decode_cost(model_name: str, topology: str, mesh_text: str, preset: str, batch: int,
@@ -100,10 +104,10 @@ def main(argv) -> None:
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_platforms", "cpu")
-  if _TOPOLOGY.value.startswith("cpu:"):
-    jax.config.update("jax_num_cpu_devices", int(_TOPOLOGY.value.split(":")[1]))
-  r = decode_cost(_MODEL.value, _TOPOLOGY.value, _MESH.value, _RULES.value, _BATCH.value,
-                  _CACHE_LENGTH.value, _UNROLL.value)
+  f = flags.FLAGS
+  if f.topology.startswith("cpu:"):
+    jax.config.update("jax_num_cpu_devices", int(f.topology.split(":")[1]))
+  r = decode_cost(f.model, f.topology, f.mesh, f.rules, f.batch, f.cache_length, f.unroll)
   from toolkit.pod.report import human_bytes  # pylint: disable=g-import-not-at-top
   print(f"decode step, {r['model']} on {r['topology']} (mesh {r['mesh']}, rules {r['rules']}), "
         f"batch {r['batch']}, cache {r['cache_length']}, layers "
@@ -112,10 +116,11 @@ def main(argv) -> None:
         f"(the KV cache: {human_bytes(r['cache_bytes_per_device'])} per device)\n"
         f"  FLOPs per device           {r['flops_per_device']:.4g}\n"
         f"  temporaries per device     {human_bytes(r['temp_bytes_per_device'])}")
-  if _JSON.value:
-    with open(_JSON.value, "w") as f:
-      json.dump(r, f, indent=2, default=str)
+  if f.json:
+    with open(f.json, "w") as out:
+      json.dump(r, out, indent=2, default=str)
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
