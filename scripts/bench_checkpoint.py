@@ -30,26 +30,34 @@ import time
 
 from absl import app, flags
 
-_STEPS = flags.DEFINE_integer("steps", 150, "Training steps of the demo.", lower_bound=1)
-_EVERY = flags.DEFINE_integer("checkpoint_every", 25, "Steps between checkpoints.", lower_bound=1)
-_TOPOLOGY = flags.DEFINE_string("topology", "v5p-128", "TPU topology for the fingerprint cost of "
-                                "--fingerprint_config ('' skips it).")
-_FINGERPRINT_CONFIG = flags.DEFINE_string("fingerprint_config", "size=7b",
-                                          "experiments/lm.py variant for --topology.")
-_JSON = flags.DEFINE_string("json", "", "Write the results as JSON to this path.")
-_QUICK = flags.DEFINE_bool("quick", False, "The tiny model, 6 steps, no TPU compile.")
+
+def define_flags() -> None:
+  """The command line's flags; defined only when this file runs as a script (another script
+  imports `save_timings`)."""
+  flags.DEFINE_integer("steps", 150, "Training steps of the demo.", lower_bound=1)
+  flags.DEFINE_integer("checkpoint_every", 25, "Steps between checkpoints.", lower_bound=1)
+  flags.DEFINE_string("topology", "v5p-128", "TPU topology for the fingerprint cost of "
+                      "--fingerprint_config ('' skips it).")
+  flags.DEFINE_string("fingerprint_config", "size=7b", "experiments/lm.py variant for "
+                      "--topology.")
+  flags.DEFINE_string("json", "", "Write the results as JSON to this path.")
+  flags.DEFINE_bool("quick", False, "The tiny model, 6 steps, no TPU compile.")
 
 
-def save_timings(variant: str, steps: int, every: int) -> list[dict]:
-  """Trains `experiments/lm.py:variant`; per save {step, blocking_s, total_s}."""
+def save_timings(variant: str, steps: int, every: int, workdir: str | None = None,
+                 overrides: dict | None = None) -> list[dict]:
+  """Trains `experiments/lm.py:variant` (with config `overrides`, "section.field": value) into
+  `workdir` (default: a temporary folder); per save {step, blocking_s, total_s}."""
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import lm  # pylint: disable=g-import-not-at-top
   from toolkit import training  # pylint: disable=g-import-not-at-top
   from toolkit.training import checkpoint  # pylint: disable=g-import-not-at-top
   committed: list[float] = []  # when each save was committed
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda name, seconds, **_: committed.append(time.perf_counter())
-      if name == "/jax/orbax/write/async/total_duration_secs" else None)
+  def listener(name, seconds, **_):
+    del seconds
+    if name == "/jax/orbax/write/async/total_duration_secs":
+      committed.append(time.perf_counter())
+  jax.monitoring.register_event_duration_secs_listener(listener)
   saves: list[dict] = []
   original = checkpoint.Checkpoints.save
 
@@ -62,9 +70,18 @@ def save_timings(variant: str, steps: int, every: int) -> list[dict]:
   config = lm.get_config(variant)
   config.train.update(steps=steps, checkpoint_every=every, log_every=every, eval_every=steps,
                       sample_tokens=0)
-  with tempfile.TemporaryDirectory() as workdir:
-    training.run(config, workdir)
-  checkpoint.Checkpoints.save = original
+  for field, value in (overrides or {}).items():
+    section, name = field.split(".")
+    config[section][name] = value
+  try:
+    if workdir is None:
+      with tempfile.TemporaryDirectory() as temporary:
+        training.run(config, temporary)
+    else:
+      training.run(config, workdir)
+  finally:
+    checkpoint.Checkpoints.save = original
+    jax.monitoring.unregister_event_duration_listener(listener)
   for save, end in zip(saves, committed):
     save["total_s"] = end - save.pop("started")
   return saves
@@ -118,8 +135,8 @@ def main(argv) -> None:
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import lm  # pylint: disable=g-import-not-at-top
-  variant = "tiny" if _QUICK.value else "cpu"
-  steps, every = (6, 2) if _QUICK.value else (_STEPS.value, _EVERY.value)
+  variant = "tiny" if flags.FLAGS.quick else "cpu"
+  steps, every = (6, 2) if flags.FLAGS.quick else (flags.FLAGS.steps, flags.FLAGS.checkpoint_every)
   saves = save_timings(variant, steps, every)
   results = {"variant": variant, "steps": steps, "checkpoint_every": every, "per_save": saves,
              **summarize(saves)}
@@ -136,7 +153,7 @@ def main(argv) -> None:
   else:
     results["fingerprints"] = {f"{variant} on cpu:8": fingerprint_cost(
         lm.get_config(variant), jax.devices(), time_it=True)}
-    if _TOPOLOGY.value and not _QUICK.value:
+    if flags.FLAGS.topology and not flags.FLAGS.quick:
       results["fingerprints"].update(_tpu_fingerprint_cost())
     for name, cost in results["fingerprints"].items():
       timing = (f", {cost['median_seconds'] * 1000:.1f} ms measured"
@@ -144,8 +161,8 @@ def main(argv) -> None:
       print(f"fingerprints, {name}: {cost['flops_per_device']:.3g} FLOPs and "
             f"{cost['bytes_accessed_per_device'] / 2**20:,.1f} MiB read per device (state "
             f"{cost['state_bytes_per_device'] / 2**20:,.1f} MiB per device){timing}")
-  if _JSON.value:
-    with open(_JSON.value, "w") as f:
+  if flags.FLAGS.json:
+    with open(flags.FLAGS.json, "w") as f:
       json.dump(results, f, indent=2)
 
 
@@ -156,9 +173,9 @@ def _tpu_fingerprint_cost() -> dict:
   if reason:
     print(f"no TPU fingerprint cost: {reason}")
     return {}
-  target = target_lib.target_for(_TOPOLOGY.value)
-  name = f"lm.py:{_FINGERPRINT_CONFIG.value} on {target.name}"
-  return {name: fingerprint_cost(lm.get_config(_FINGERPRINT_CONFIG.value), list(target.devices),
+  target = target_lib.target_for(flags.FLAGS.topology)
+  name = f"lm.py:{flags.FLAGS.fingerprint_config} on {target.name}"
+  return {name: fingerprint_cost(lm.get_config(flags.FLAGS.fingerprint_config), list(target.devices),
                                  time_it=False)}
 
 
@@ -167,4 +184,5 @@ if __name__ == "__main__":
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
+  define_flags()
   app.run(main)

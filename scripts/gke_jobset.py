@@ -239,13 +239,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   parser.add_argument("--config", required=True,
                       help="experiment file and variant, e.g. experiments/lm.py:size=1b")
   parser.add_argument("--workdir", required=True, type=workdir.argument,
-                      help="one folder all pods share at the same path, e.g. a gcsfuse mount "
-                      "/mnt/gcs/runs/lm (gs:// URLs are refused)")
+                      help="gs://BUCKET/path (every pod writes there directly), or one folder "
+                      "all pods share at the same path")
   parser.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                       help="environment variable for the training processes (repeatable)")
   parser.add_argument("--gcs-bucket", type=_bucket, help=f"mount this Cloud Storage bucket "
-                      f"at {GCS_MOUNT} in every pod (GKE's gcsfuse CSI driver), for a workdir "
-                      f"such as {GCS_MOUNT}/runs/lm")
+                      f"at {GCS_MOUNT} in every pod (GKE's gcsfuse CSI driver), e.g. for data "
+                      f"files; the workdir is better a gs:// URL")
   parser.add_argument("--namespace", help="Kubernetes namespace (default: kubectl's)")
   parser.add_argument("--queue", help="Kueue LocalQueue name (label kueue.x-k8s.io/queue-name)")
   parser.add_argument("--max-restarts", type=_count(0), default=0,

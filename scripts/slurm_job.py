@@ -19,7 +19,7 @@ JAX's SLURM detection would still limit each process to GPU SLURM_LOCALID (= 0),
 script sets JAX_LOCAL_DEVICE_IDS to all of them. `srun --kill-on-bad-exit=1` stops every
 task when one fails, instead of leaving the others blocked in a collective.
 
---workdir must be one directory every node can write (a shared file system; gs:// URLs are refused). A bad
+--workdir is a gs://bucket/path URL or one directory every node can write (a shared file system). A bad
 flag prints one `error:` line and exits 2; a failed sbatch exits 1.
 """
 from __future__ import annotations
@@ -143,7 +143,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   parser.add_argument("--config", required=True,
                       help="experiment file and variant, e.g. experiments/lm.py:size=1b")
   parser.add_argument("--workdir", required=True, type=workdir.argument,
-                      help="a directory every node can write")
+                      help="gs://BUCKET/path, or a directory every node can write")
   parser.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                       help="environment variable for the training processes (repeatable)")
   parser.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")

@@ -8,8 +8,8 @@
 
 `run` starts the same `python -m toolkit.train` on every host (`--worker=all`); each process
 finds its peers through `jax.distributed.initialize()`'s Cloud TPU detection, so nothing here
-assigns ranks. Give every host one `--workdir`, a folder all hosts share (Filestore, or a bucket mounted
-with gcsfuse): Orbax writes checkpoints from all hosts into one directory. Arguments after `--` go to toolkit.train unchanged (shell-quoted).
+assigns ranks. Give every host one `--workdir`: a gs://bucket/path URL (Orbax writes every host's
+checkpoint shards straight into the bucket), or a folder all hosts share (Filestore). Arguments after `--` go to toolkit.train unchanged (shell-quoted).
 
 `--slices=N` (N > 1) or `--queued` makes `create` a queued resource; give the same flags to
 `setup`, `run` and `delete`. A multi-slice resource has nodes NAME-0 ... NAME-{N-1}, one per
@@ -268,8 +268,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   run.add_argument("--config", required=True,
                    help="experiment file and variant, e.g. experiments/lm.py:size=1b")
   run.add_argument("--workdir", required=True,
-                   type=workdir.argument, help="one folder all hosts share at the same path, e.g. a "
-                   "gcsfuse mount /mnt/gcs/runs/lm (gs:// URLs are refused)")
+                   type=workdir.argument, help="gs://BUCKET/path, or one folder all hosts share "
+                   "at the same path (Filestore)")
   run.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                    help="environment variable for the training processes (repeatable)")
   subcommand("delete", "Delete the TPU VMs (or the queued resource and its slices).",
@@ -291,9 +291,9 @@ def main(argv: list[str]) -> None:
   elif args.command == "setup":
     groups, verb = setup_commands(pod, args.repo_url, args.ref), "reaches"
   elif args.command == "run":
-    if pod.hosts > 1:
+    if pod.hosts > 1 and not workdir.is_url(args.workdir):
       print(f"note: --workdir={args.workdir} must be the same shared folder on all "
-            f"{pod.hosts} hosts ({workdir.SHARED.split(': ', 1)[1]})", file=sys.stderr)
+            f"{pod.hosts} hosts: {workdir.SHARED}", file=sys.stderr)
     command = train_command(args.config, args.workdir, args.env, train_args)
     groups, verb = [_on_every_host(pod, command)], "reaches"
   else:

@@ -22,6 +22,7 @@ import jax
 
 import sharding
 from toolkit import command_line
+from toolkit import workdir
 from toolkit.errors import ConfigError
 from toolkit.pod.aot import CompileError, LintError, compile_report
 from toolkit.pod.report import BAD_INPUT, DOES_NOT_FIT
@@ -63,8 +64,7 @@ def _plan(config, target, flag_values: dict, budget_s: float) -> None:
       log=lambda line: print(line, flush=True))
   print(planner.format_ranking(outcome))
   if flag_values["json"]:
-    with open(flag_values["json"], "w") as f:
-      json.dump(outcome.as_dict(), f, indent=2, default=str)
+    workdir.write_text(flag_values["json"], json.dumps(outcome.as_dict(), indent=2, default=str))
   if not outcome.best:
     unfinished = sum(c.status == "budget" for c in outcome.candidates)
     if unfinished:
@@ -74,6 +74,17 @@ def _plan(config, target, flag_values: dict, budget_s: float) -> None:
     command_line.fail("no candidate fits (see the table above); use a larger topology, "
                       "more slices, or a smaller batch or model", DOES_NOT_FIT)
   print(planner.finish(outcome, flag_values["plan_out"], sys.argv))
+
+
+def _check_outputs(flag_values: dict) -> None:
+  """Refuses a gs:// output (--json, --hlo, --plan_out) that Cloud Storage would refuse, before
+  minutes of compiling rather than after."""
+  names = ("json", "hlo", "plan_out") if flag_values["plan"] else ("json", "hlo")
+  for name in names:
+    value = flag_values[name]
+    if value and workdir.is_url(value):
+      if (why := workdir.problem(value, f"--{name}", reach=True)) is not None:
+        raise ConfigError(why)
 
 
 def cli() -> None:
@@ -124,9 +135,11 @@ def cli() -> None:
       if kind == "cpu":
         jax.config.update("jax_num_cpu_devices", count * max(slices_flag.value, 1))
       target = target_for(topology_flag.value, slices_flag.value)
+      flag_values = flags.FLAGS.flag_values_dict()
+      _check_outputs(flag_values)
       config = config_flag.value
       if plan_flag.value:
-        _plan(config, target, flags.FLAGS.flag_values_dict(), budget_flag.value)
+        _plan(config, target, flag_values, budget_flag.value)
         return
       report = compile_report(config, target, hlo_path=hlo_flag.value)
     except (TargetError, LintError, ConfigError, sharding.ShardingError) as e:
@@ -135,8 +148,7 @@ def cli() -> None:
       command_line.fail(e, DOES_NOT_FIT)
     print(report.format(), flush=True)
     if json_flag.value:
-      with open(json_flag.value, "w") as f:
-        json.dump(report.as_dict(), f, indent=2, default=str)
+      workdir.write_text(json_flag.value, json.dumps(report.as_dict(), indent=2, default=str))
     sys.exit(report.exit_code)
 
   app.run(main, flags_parser=lambda argv: command_line.parse_flags(

@@ -405,7 +405,10 @@ def test_tpu_pod_reminds_that_several_hosts_share_the_workdir():
   proc = launch("tpu_pod.py", "run", *POD, "--accelerator-type=v4-16", "--config=c",
                 "--workdir=runs/lm", "--dry-run")
   ok(proc)
-  assert "note:" in proc.stderr and "all 2 hosts" in proc.stderr and "gcsfuse" in proc.stderr
+  assert "note:" in proc.stderr and "all 2 hosts" in proc.stderr and "gs://" in proc.stderr
+  proc = launch("tpu_pod.py", "run", *POD, "--accelerator-type=v4-16", "--config=c",
+                "--workdir=gs://bucket/lm", "--dry-run")
+  assert "note:" not in ok(proc) + proc.stderr  # a bucket is shared by every host
 
 
 # --- scripts/gke_jobset.py --------------------------------------------------------------------
@@ -580,15 +583,18 @@ def test_slurm_mistakes_are_one_line(args, exit_code, mentions):
 
 @pytest.mark.parametrize("script,flags", [
     ("tpu_pod.py", ["run", *POD, "--accelerator-type=v4-16", "--config=c"]),
-    ("gke_jobset.py", [f for f in GKE if not f.startswith("--workdir")]),
+    ("gke_jobset.py", [f for f in GKE if not f.startswith("--workdir")] +
+     ["--accelerator-type=v5litepod-16"]),
     ("slurm_job.py", ["--nodes=2", "--config=c"]),
 ])
-def test_launchers_refuse_object_store_workdirs(script, flags):
-  proc = launch(script, *flags, "--workdir=gs://bucket/lm", "--dry-run")
+def test_launchers_take_gs_workdirs_and_refuse_other_schemes(script, flags):
+  out = ok(launch(script, *flags, "--workdir=gs://bucket/lm", "--dry-run"))
+  assert "--workdir=gs://bucket/lm" in out
+  proc = launch(script, *flags, "--workdir=s3://bucket/lm", "--dry-run")
   assert proc.returncode == 2, proc.stdout + proc.stderr
   [line] = proc.stderr.splitlines()
-  assert line.startswith("error: argument --workdir: gs:// URLs are not supported")
-  assert "gcsfuse" in line
+  assert line.startswith("error: argument --workdir: s3:// is not supported")
+  assert "gs://bucket/path" in line
 
 
 def test_jobset_mounts_a_bucket_for_the_workdir():

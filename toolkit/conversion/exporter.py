@@ -2,11 +2,12 @@
 2 GB with their index, and the tokenizer files of the folder the model came from.
 
 The parameters are restored into the shardings of the run's own mesh (one device when that
-mesh does not fit this machine) and gathered to the host one tensor (one layer) at a time."""
+mesh does not fit this machine) and gathered to the host one tensor (one layer) at a time.
+The output folder and the source folder may be gs:// URLs (a gs:// output is written locally,
+then uploaded: `output.staged`)."""
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 
@@ -18,6 +19,7 @@ from jax.experimental import multihost_utils
 
 import sharding
 from toolkit import hf
+from toolkit import workdir as workdir_lib
 from toolkit.conversion import output
 from toolkit.errors import ConfigError
 from toolkit.hf import folder as folder_lib
@@ -51,19 +53,24 @@ def _source_folder(config: ml_collections.ConfigDict, hf_source: str | None) -> 
   """The Hugging Face folder the model came from: --hf_source, else train.init_from's when it
   still exists."""
   if hf_source:
-    if not os.path.isdir(hf_source):
+    if workdir_lib.is_url(hf_source) and (
+        why := workdir_lib.problem(hf_source, "--hf_source", reach=True)) is not None:
+      raise ConfigError(why)
+    if not workdir_lib.isdir(hf_source):
       raise ConfigError(f"--hf_source={hf_source!r} is not a directory; give the Hugging Face "
                         f"folder the model was imported from, or leave it out")
     return hf_source
   path = init_from.parse(config.train.get("init_from", ""))
-  return path if path and os.path.isdir(path) else None
+  if not path or (workdir_lib.is_url(path) and workdir_lib.problem(path, reach=True)):
+    return None  # optional: a folder that is gone (or out of reach) is left out
+  return path if workdir_lib.isdir(path) else None
 
 
 def _hf_config(model, config: ml_collections.ConfigDict, source: str | None) -> dict:
   carried = {}
-  if source and os.path.isfile(os.path.join(source, folder_lib.CONFIG)):
-    original = folder_lib.read_json(os.path.join(source, folder_lib.CONFIG), "fix it or leave "
-                                    "--hf_source out")
+  if source and workdir_lib.isfile(workdir_lib.join(source, folder_lib.CONFIG)):
+    original = folder_lib.read_json(workdir_lib.join(source, folder_lib.CONFIG), "fix it or "
+                                    "leave --hf_source out")
     carried = {k: original[k] for k in CARRIED_FIELDS if k in original}
   if "max_position_embeddings" not in carried:
     carried["max_position_embeddings"] = (
@@ -81,8 +88,9 @@ def _gather(array: jax.Array) -> np.ndarray:
 def export_checkpoint(workdir: str, out: str, step: int | None = None,
                       hf_source: str | None = None,
                       max_shard_bytes: int = hf.MAX_SHARD_BYTES) -> list[str]:
-  """Writes the Hugging Face folder `out` (which must not exist or be empty) from `workdir`'s
-  checkpoint `step` (default: the latest); returns the names of the files written."""
+  """Writes the Hugging Face folder `out` (local or gs://; it must not exist or be empty) from
+  `workdir`'s checkpoint `step` (default: the latest); returns the names of the files
+  written."""
   output.check_empty(out, "--out")
   manager, latest = open_latest(workdir, "--workdir")
   try:
@@ -119,8 +127,9 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None,
     hf.write_config(staging, hf_config)
     written.append(folder_lib.CONFIG)
     for name in folder_lib.TOKENIZER_FILES if source else ():
-      if os.path.isfile(os.path.join(source, name)):
-        shutil.copyfile(os.path.join(source, name), os.path.join(staging, name))
+      if workdir_lib.isfile(workdir_lib.join(source, name)):  # small files: read whole
+        workdir_lib.write_bytes(os.path.join(staging, name),
+                                workdir_lib.path(workdir_lib.join(source, name)).read_bytes())
         written.append(name)
   _log(f"exported step {step} of {workdir} to {out} ({', '.join(written)}) in "
        f"{time.perf_counter() - start:.1f} s")

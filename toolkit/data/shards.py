@@ -12,6 +12,12 @@ Every document is followed by the end-of-document token `eot_id`, so the concate
 can be cut into fixed-length windows anywhere (documents are packed; the model sees the
 boundary token). Byte-level tokenization is built in: ids 0-255 are bytes, 256 ends a document.
 Any Hugging Face `tokenizer.json` works through the `tokenizers` library.
+
+The shard folder may be a Cloud Storage URL (gs://bucket/path). Its meta.json is read from
+there; the token files of each split read are copied once into a local cache folder
+(`workdir.cache_folder`: $XDG_CACHE_HOME/meshkit/tokens/...) and memory-mapped from that copy, reused
+while each file's size matches meta.json. Every host keeps a whole copy; for data larger than
+a host's disk, mount the bucket (gcsfuse) and give the local path instead.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from toolkit import workdir
 from toolkit.errors import ConfigError
 
 FORMAT = "meshkit-tokens-v1"
@@ -81,18 +88,20 @@ class Tokenizer:
 
 
 def read_meta(directory: str, field: str = "data.path") -> dict:
-  """meta.json of a shard folder, checked; errors name the file and the fix."""
-  path = os.path.join(directory, META)
-  if not os.path.isdir(directory):
+  """meta.json of a shard folder (local or gs://), checked; errors name the file and the fix."""
+  path = workdir.join(directory, META)
+  if workdir.is_url(directory) and (
+      why := workdir.problem(directory, field, reach=True)) is not None:
+    raise ConfigError(why)
+  if not workdir.isdir(directory):
     raise ConfigError(f"{field}={directory!r} is not a directory; give a folder written by "
                       f"scripts/prepare_text.py")
-  if not os.path.isfile(path):
+  if not workdir.isfile(path):
     raise ConfigError(f"{path} is missing: {field} must be a folder written by "
                       f"scripts/prepare_text.py")
   try:
-    with open(path) as f:
-      meta = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
+    meta = json.loads(workdir.read_text(path))
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
     raise ConfigError(f"{path} is not valid JSON ({e}); rewrite the shards with "
                       f"scripts/prepare_text.py") from None
   if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -103,7 +112,9 @@ def read_meta(directory: str, field: str = "data.path") -> dict:
 
 class TokenStream:
   """The token files of one split as one random-access stream (memory-mapped, lazily opened
-  so the object pickles cheaply into Grain worker processes)."""
+  so the object pickles cheaply into Grain worker processes). `files` are the local files
+  read (cached copies for a gs:// folder); `names` are the same files as the user named
+  them."""
 
   def __init__(self, directory: str, split: str, field: str = "data.path"):
     meta = read_meta(directory, field)
@@ -112,23 +123,38 @@ class TokenStream:
     self.vocab_size, self.eot_id = int(meta["vocab_size"]), int(meta["eot_id"])
     entries = meta["splits"].get(split) or []
     if not entries or sum(int(e["tokens"]) for e in entries) == 0:
-      raise ConfigError(f"{os.path.join(directory, META)} lists no {split!r} tokens; the split "
+      raise ConfigError(f"{workdir.join(directory, META)} lists no {split!r} tokens; the split "
                         f"is empty: give more text (or a larger --val_fraction for 'val')")
-    self.files, counts = [], []
+    # A gs:// folder's object names, listed once (a missing shard is named before any copy).
+    listing = ({p.name for p in workdir.path(directory).iterdir()}
+               if workdir.is_url(directory) else None)
+    self.files, self.names, counts = [], [], []
     for entry in entries:
-      path = os.path.join(directory, entry["file"])
-      if not os.path.isfile(path):
-        raise ConfigError(f"shard {path} is missing (listed in {META}); rewrite the shards with "
+      name = workdir.join(directory, entry["file"])
+      if not (os.path.isfile(name) if listing is None else entry["file"] in listing):
+        raise ConfigError(f"shard {name} is missing (listed in {META}); rewrite the shards with "
                           f"scripts/prepare_text.py")
       expected = int(entry["tokens"]) * self.dtype.itemsize
+      path = name if listing is None else self._copy(name, entry["file"], expected)
       if os.path.getsize(path) != expected:
-        raise ConfigError(f"shard {path} is corrupt: {os.path.getsize(path)} bytes, {META} says "
+        raise ConfigError(f"shard {name} is corrupt: {os.path.getsize(path)} bytes, {META} says "
                           f"{entry['tokens']} {self.dtype.name} tokens ({expected} bytes); "
                           f"rewrite the shards with scripts/prepare_text.py")
       self.files.append(path)
+      self.names.append(name)
       counts.append(int(entry["tokens"]))
     self.starts = np.concatenate([[0], np.cumsum(counts)])
     self._maps: list[np.ndarray] | None = None
+
+  def _copy(self, url: str, file: str, size: int) -> str:
+    """The cached local copy of the shard `url` (`file` in the folder)."""
+    local = os.path.join(workdir.cache_folder(self.directory, "tokens"), file)
+    try:
+      return workdir.cached_copy(url, local, size)
+    except OSError as e:
+      raise ConfigError(f"shard {url} cannot be copied into {os.path.dirname(local)} ({e}); "
+                        f"check the bucket's permissions and this machine's free disk "
+                        f"space") from None
 
   def __len__(self) -> int:
     return int(self.starts[-1])
@@ -151,7 +177,7 @@ class TokenStream:
       take = min(start + count - position, self.starts[index + 1] - position)
       piece = np.asarray(maps[index][offset:offset + take], dtype=np.int32)
       if piece.size and int(piece.max()) >= self.vocab_size:
-        raise ConfigError(f"shard {self.files[index]} holds token id {int(piece.max())}, beyond "
+        raise ConfigError(f"shard {self.names[index]} holds token id {int(piece.max())}, beyond "
                           f"its vocabulary of {self.vocab_size} ({META}); the file is corrupt: "
                           f"rewrite the shards with scripts/prepare_text.py")
       pieces.append(piece)

@@ -5,6 +5,11 @@ Everything is checked from the files' headers before a tensor is read: a missing
 shape that disagrees with config.json (a vocabulary of another size included), an unknown
 tensor, tied embeddings that are not tied. Each mistake is one ConfigError naming the file,
 the tensor or field, and the fix.
+
+The folder may be a Cloud Storage URL (gs://bucket/path). Its JSON files are read from there;
+its safetensors files are copied once into a local cache folder (`workdir.cache_folder`) and read
+from that copy, because safetensors reads slices from a memory-mapped local file. Messages
+still name the gs:// URL.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import os
 import numpy as np
 
 from models import LlamaConfig
+from toolkit import workdir
 from toolkit.errors import ConfigError
 from toolkit.hf import architectures
 from toolkit.hf.tensors import TensorMap
@@ -32,9 +38,13 @@ _COMPARE_ROWS = 4096  # rows of lm_head / embed_tokens compared at a time (bound
 
 
 def read_json(path: str, what: str) -> dict:
+  """The JSON object in the file `path` (local or gs://); errors name the file and `what`."""
   try:
-    with open(path, encoding="utf-8") as f:
-      value = json.load(f)
+    if workdir.is_url(path):
+      value = json.loads(workdir.read_text(path))
+    else:
+      with open(path, encoding="utf-8") as f:
+        value = json.load(f)
   except FileNotFoundError:
     raise ConfigError(f"{path} is missing; {what}") from None
   except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -46,20 +56,33 @@ def read_json(path: str, what: str) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
-  file: str
+  file: str  # as the user named it: a local path or a gs:// URL
   shape: tuple[int, ...]
   dtype: str  # safetensors' name: F32, BF16, ...
+  local: str  # the local file read: `file` itself, or its cached copy when `file` is gs://
 
 
 class HFFolder:
-  """A Hugging Face model folder; `field` names the flag or config field that gave its path."""
+  """A Hugging Face model folder, local or gs://; `field` names the flag or config field that
+  gave its path. A gs:// folder's weights are copied into `workdir.cache_folder(path, "hf")` when first
+  needed (`tensors`) and reused from there while each file's size matches its object's."""
 
   def __init__(self, path: str, field: str = "--hf"):
+    if workdir.is_url(path):
+      path = workdir.absolute(path)  # no trailing slash: one cache folder per URL
     self.path, self.field = path, field
-    if not os.path.isdir(path):
+    self._listing: set[str] | None = None  # a gs:// folder's file names
+    if workdir.is_url(path):
+      if (why := workdir.problem(path, field, reach=True)) is not None:
+        raise ConfigError(why)
+      if not workdir.isdir(path):
+        raise ConfigError(f"{field}={path!r} holds no objects; give the URL of a Hugging Face "
+                          f"model folder (config.json and *.safetensors)")
+      self._listing = {p.name for p in workdir.path(path).iterdir()}
+    elif not os.path.isdir(path):
       raise ConfigError(f"{field}={path!r} is not a directory; give a Hugging Face model folder "
                         f"(config.json and *.safetensors)")
-    self.config_path = os.path.join(path, CONFIG)
+    self.config_path = self._where(CONFIG)
     self.config = read_json(self.config_path, f"{field} must be a Hugging Face model folder")
     self.architecture = architectures.for_hf_config(self.config, self.config_path)
     self._checked: dict[LlamaConfig, list[TensorMap]] = {}
@@ -68,19 +91,41 @@ class HFFolder:
     """meshkit's model config for this folder; fields HF does not describe come from `base`."""
     return self.architecture.model_config(self.config, base, self.config_path)
 
+  # --- the files --------------------------------------------------------------------------------
+  def _where(self, name: str) -> str:
+    """The file `name` of this folder as the user would name it (a path or a URL)."""
+    return workdir.join(self.path, name)
+
+  def _has(self, name: str) -> bool:
+    if self._listing is not None:
+      return name in self._listing
+    return os.path.isfile(self._where(name))
+
+  def _local(self, name: str) -> str:
+    """A local file holding `name`: the file itself, or its cached copy for a gs:// folder."""
+    if self._listing is None:
+      return self._where(name)
+    url = self._where(name)
+    local = os.path.join(workdir.cache_folder(self.path, "hf"), name)
+    try:
+      return workdir.cached_copy(url, local, workdir.path(url).stat().length)
+    except OSError as e:
+      raise ConfigError(f"{url} cannot be copied into {os.path.dirname(local)} ({e}); check "
+                        f"the bucket's permissions and this machine's free disk space") from None
+
   # --- the weights' headers ------------------------------------------------------------------
   @functools.cached_property
   def tensors(self) -> dict[str, TensorInfo]:
     """Every tensor's file, shape and dtype, from the safetensors headers (no data read)."""
     from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-    index_path = os.path.join(self.path, INDEX_FILE)
-    if os.path.isfile(index_path):
+    index_path = self._where(INDEX_FILE)
+    if self._has(INDEX_FILE):
       weight_map = read_json(index_path, "rewrite it or remove it to read model.safetensors"
                              ).get("weight_map")
       if not isinstance(weight_map, dict) or not weight_map:
         raise ConfigError(f"{index_path} has no weight_map; it must list each tensor's file")
       files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(self.path, SINGLE_FILE)):
+    elif self._has(SINGLE_FILE):
       weight_map, files = None, [SINGLE_FILE]
     else:
       raise ConfigError(f"{self.field}={self.path!r} holds neither {SINGLE_FILE} nor "
@@ -88,20 +133,21 @@ class HFFolder:
                         f"save_pretrained(..., safe_serialization=True))")
     found: dict[str, TensorInfo] = {}
     for name in files:
-      file = os.path.join(self.path, name)
-      if not os.path.isfile(file):
+      file = self._where(name)
+      if not self._has(name):
         raise ConfigError(f"{file} is missing (listed in {INDEX_FILE}); the download is "
                           f"incomplete")
+      local = self._local(name)
       try:
-        with safe_open(file, framework="np") as f:
+        with safe_open(local, framework="np") as f:
           for key in f.keys():
             piece = f.get_slice(key)
-            found[key] = TensorInfo(file, tuple(piece.get_shape()), piece.get_dtype())
+            found[key] = TensorInfo(file, tuple(piece.get_shape()), piece.get_dtype(), local)
       except Exception as e:  # pylint: disable=broad-except  # safetensors raises its own types
         raise ConfigError(f"{file} is not a readable safetensors file ({e})") from None
     if weight_map is not None:
       for key, name in weight_map.items():
-        if key not in found or found[key].file != os.path.join(self.path, name):
+        if key not in found or found[key].file != self._where(name):
           raise ConfigError(f"{INDEX_FILE} places tensor {key} in {name}, which does not hold "
                             f"it; the index and the shards disagree")
     return found
@@ -178,7 +224,7 @@ class HFFolder:
     """Block `index` of tensor `name`. The file is opened (memory-mapped) for this one read
     and closed again, so no more than the block's pages stay resident."""
     from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-    with safe_open(self.tensors[name].file, framework="np") as f:
+    with safe_open(self.tensors[name].local, framework="np") as f:
       return f.get_slice(name)[index]
 
   # --- tokens --------------------------------------------------------------------------------
@@ -188,12 +234,13 @@ class HFFolder:
 
 
 def special_tokens(path: str) -> tuple[int | None, tuple[int, ...]]:
-  """(BOS id or None, EOS ids) of a Hugging Face model folder: generation_config.json's when it
-  has them, else config.json's; missing files give (None, ())."""
+  """(BOS id or None, EOS ids) of a Hugging Face model folder (local or gs://):
+  generation_config.json's when it has them, else config.json's; missing files give
+  (None, ())."""
   bos, eos = None, None
   for name in (CONFIG, GENERATION_CONFIG):  # the later file wins, as in transformers
-    file = os.path.join(path, name)
-    if not os.path.isfile(file):
+    file = workdir.join(path, name)
+    if not (workdir.isfile(file) if workdir.is_url(file) else os.path.isfile(file)):
       continue
     values = read_json(file, "fix or remove it")
     bos = values.get("bos_token_id", bos)

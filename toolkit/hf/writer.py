@@ -5,6 +5,9 @@ The shards are streamed: a shard's header (every tensor's name, dtype, shape and
 is known from the shapes alone, so it is written first and then each tensor's bytes as they
 arrive, one tensor at a time. The `safetensors` library's writers take a whole dict of
 tensors per file instead, which would hold up to a shard (2 GB) on the host.
+
+The folder written is local: a gs:// export is written into a local staging folder and then
+uploaded (`toolkit.conversion.output.staged`), since a shard is streamed to its file.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from toolkit import workdir
 from toolkit.hf.folder import CONFIG, INDEX_FILE, SINGLE_FILE
 from toolkit.hf.tensors import TensorMap
 
@@ -82,7 +86,7 @@ def write_weights(out: str, table: list[TensorMap], n_layers: int, dtype_name: s
                   fetch: Fetch, max_shard_bytes: int = MAX_SHARD_BYTES,
                   progress: Callable[[Planned], None] = lambda _: None) -> list[str]:
   """`model.safetensors`, or `model-0000i-of-0000n.safetensors` shards and the index, in
-  `out`. Returns the file names written."""
+  the local folder `out`. Returns the file names written."""
   itemsize = np.dtype("float16" if dtype_name == "bfloat16" else dtype_name).itemsize
   shards = plan(table, n_layers, itemsize, max_shard_bytes)
   names = ([SINGLE_FILE] if len(shards) == 1 else
@@ -98,12 +102,11 @@ def write_weights(out: str, table: list[TensorMap], n_layers: int, dtype_name: s
 
 
 def write_json(path: str, value: dict) -> None:
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(value, f, indent=2, sort_keys=True)
-    f.write("\n")
+  """`value` as the JSON file `path` (local or gs://), written whole."""
+  workdir.write_text(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
 def write_config(out: str, config: dict) -> str:
-  path = os.path.join(out, CONFIG)
+  path = workdir.join(out, CONFIG)
   write_json(path, config)
   return path

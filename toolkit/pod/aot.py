@@ -45,6 +45,7 @@ import time
 import ml_collections
 
 import sharding
+from toolkit import workdir
 from toolkit.errors import ConfigError
 from toolkit.pod import collectives as collectives_lib
 from toolkit.pod import estimate
@@ -146,8 +147,7 @@ def compile_report(config: ml_collections.ConfigDict, target: Target, *,
   if compiled is not None:
     text = compiled.as_text()
     if hlo_path:
-      with open(hlo_path, "w") as f:
-        f.write(text)
+      workdir.write_text(hlo_path, text)  # a local file or a gs:// object
     found = collectives_lib.parse(text, list(spec.mesh.shape.items()),
                                   _slice_ids(spec.mesh, target))
   summaries = collectives_lib.summarize(found)

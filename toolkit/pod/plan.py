@@ -15,6 +15,8 @@ mesh.ici keeps a -1 on its largest data-like axis (fsdp, else data), so on the t
 to exactly the searched size and on fewer devices (a CPU rehearsal) it scales down.
 
   config = plan.apply_plan(config, "plan.json")   # a copy with the overrides set
+
+A plan file may be a gs:// URL (read and written through toolkit.workdir).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 
 import ml_collections
 
+from toolkit import workdir
 from toolkit.errors import ConfigError
 
 VERSION = 1
@@ -32,14 +35,16 @@ FIELDS = ("mesh.ici", "mesh.dcn", "sharding.preset", "model.remat", "train.micro
 
 
 def load_plan(path: str) -> dict:
-  """The plan at `path`, checked for shape; raises ConfigError naming the file and the fix."""
+  """The plan at `path` (local or gs://), checked for shape; raises ConfigError naming the file
+  and the fix."""
+  if workdir.is_url(path) and (why := workdir.problem(path, "--plan", reach=True)) is not None:
+    raise ConfigError(why)
   try:
-    with open(path) as f:
-      plan = json.load(f)
+    plan = json.loads(workdir.read_text(path))
   except FileNotFoundError:
     raise ConfigError(f"--plan={path}: no such file; write one with python -m toolkit.compile "
                       f"... --plan --plan_out={path}") from None
-  except (OSError, json.JSONDecodeError) as e:
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
     raise ConfigError(f"--plan={path}: not a readable JSON plan ({e}); write one with "
                       f"python -m toolkit.compile ... --plan") from None
   if not isinstance(plan, dict) or not isinstance(plan.get("overrides"), dict):
@@ -100,6 +105,6 @@ def flags_for(overrides: dict) -> list[str]:
 
 
 def write_plan(path: str, plan: dict) -> None:
-  with open(path, "w") as f:
-    json.dump({"meshkit_plan": VERSION, **plan}, f, indent=2, default=str)
-    f.write("\n")
+  """The plan as the JSON file `path` (local or gs://), written whole."""
+  workdir.write_text(path, json.dumps({"meshkit_plan": VERSION, **plan}, indent=2, default=str)
+                     + "\n")

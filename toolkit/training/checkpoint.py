@@ -24,6 +24,7 @@ from etils import epath
 
 from models import kind_of
 
+from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
 from toolkit.training import integrity, storage
 from toolkit.training.state import State
@@ -99,7 +100,7 @@ class Checkpoints:
   """A CheckpointManager over `directory` with items state / config / data / integrity."""
 
   def __init__(self, directory: str, keep: int = 3, read_only: bool = False):
-    self.directory = os.path.abspath(directory)
+    self.directory = workdir_lib.absolute(directory)
     self.timings: list[SaveTiming] = []
     # Read-only: the options Orbax would otherwise reset with a warning each, and its notice
     # that the directory is read only (asked for) left out of the command's output.
@@ -117,6 +118,8 @@ class Checkpoints:
       raise storage.StorageError(f"checkpoint folder {self.directory} cannot be used "
                                  f"({storage.cause(e)}); {storage.fix(e)}") from None
     self._writer, self._failure = _WRITER, None
+    if workdir_lib.is_url(self.directory) and not read_only and jax.process_index() == 0:
+      storage.remove_partial(self.directory)  # steps a killed run left without their marker
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -326,8 +329,8 @@ def check_compatible(saved: dict, model_config: Any, where: str) -> None:
 
 def checkpoints_dir(path: str) -> str:
   """A workdir's checkpoints/ folder, or `path` itself when it already is one."""
-  candidate = os.path.join(path, "checkpoints")
-  return candidate if os.path.isdir(candidate) else path
+  candidate = workdir_lib.join(path, "checkpoints")
+  return candidate if workdir_lib.isdir(candidate) else path
 
 
 def config_to_dict(config) -> dict:
@@ -340,8 +343,10 @@ def open_latest(checkpoint_path: str, flag: str = "--checkpoint"
   step; ConfigError naming `flag` when there is none. The caller closes the manager."""
   if not checkpoint_path:
     raise ConfigError(f"{flag} is empty; give a training workdir or its checkpoints/ folder")
+  if (why := workdir_lib.problem(checkpoint_path, flag, reach=True)) is not None:
+    raise ConfigError(why)
   directory = checkpoints_dir(checkpoint_path)
-  if not os.path.isdir(directory):
+  if not workdir_lib.isdir(directory):
     raise ConfigError(f"{flag}={checkpoint_path!r} does not exist; give the workdir of a "
                       f"training run")
   manager = Checkpoints(directory, read_only=True)

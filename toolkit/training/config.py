@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 import sharding
 from models import KINDS, LlamaConfig
 from toolkit.data import text
+from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
 from toolkit.training import init_from
 from toolkit.training.profiler import parse_profile_steps
@@ -300,7 +301,8 @@ def resolve(config: ml_collections.ConfigDict,
   if (problem := text.utf8_problem(t.get("sample_prompt", ""))) is not None:
     raise ConfigError(f"train.sample_prompt is not valid UTF-8 text ({problem}); give the "
                       f"prompt in UTF-8")
-  if t.resume_from and not os.path.isdir(t.resume_from):
+  if t.resume_from and (workdir_lib.problem(t.resume_from, "train.resume_from") is not None
+                        or not workdir_lib.isdir(t.resume_from)):
     raise ConfigError(f"train.resume_from={t.resume_from!r} is not a directory; give a workdir "
                       f"or its checkpoints/ folder")
   init_from.parse(t.get("init_from", ""))  # absent from configs saved before it existed

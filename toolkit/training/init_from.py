@@ -8,10 +8,10 @@ optimizer starts fresh at step 0.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from models import LlamaConfig
 from toolkit import hf
+from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
 from toolkit.training import state as state_lib
 
@@ -42,8 +42,8 @@ def check_model(folder: hf.HFFolder, model: LlamaConfig, field: str = FIELD) -> 
 
 
 def _has_checkpoint(workdir: str) -> bool:
-  directory = os.path.join(workdir, "checkpoints")
-  return os.path.isdir(directory) and any(p.isdigit() for p in os.listdir(directory))
+  directory = workdir_lib.path(workdir_lib.join(workdir, "checkpoints"))
+  return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
 
 
 def source(config, model: LlamaConfig, workdir: str) -> hf.HFFolder | None:
@@ -81,5 +81,5 @@ def with_hf_model(config, path: str, field: str = "--hf"):
   known = {f.name for f in dataclasses.fields(LlamaConfig)}
   base = LlamaConfig(**{k: v for k, v in model.items() if k in known})
   config.model.update(dataclasses.asdict(folder.model_config(base)))
-  config.train.init_from = PREFIX + os.path.abspath(path)
+  config.train.init_from = PREFIX + workdir_lib.absolute(path)
   return config

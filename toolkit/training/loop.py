@@ -18,6 +18,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
+from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
 from toolkit.training import checkpoint, goodput as goodput_lib, init_from, integrity
 from toolkit.training import metrics as metrics_lib, profiler as profiler_lib, resume
@@ -112,7 +113,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
     log_setup(config, setup)
 
     # --- restore or init: the newest checkpoint that restores (damaged ones set aside) -------
-    checkpoints = checkpoint.Checkpoints(os.path.join(workdir, "checkpoints"),
+    checkpoints = checkpoint.Checkpoints(workdir_lib.join(workdir, "checkpoints"),
                                          keep=config.train.keep_checkpoints)
     state, data_position = resume.restore_or_init(config, setup, checkpoints, log, hf_folder)
     start_step = int(jax.device_get(state["step"]))
@@ -122,7 +123,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
     checkpoints.close()
     return nothing_to_train(config, start_step, result)
   if jax.process_index() == 0:
-    write_config(config, os.path.join(workdir, "config.json"))
+    write_config(config, workdir_lib.join(workdir, "config.json"))
 
   # --- compile once --------------------------------------------------------------------------
   with goodput.phase("compile"):
@@ -158,9 +159,10 @@ def prepare_workdir(workdir: str, checkpoint_size: int | None = None) -> None:
   """Creates the workdir and checks that it and its checkpoints/ folder can be written (without
   writing: a refused run leaves an existing workdir as it was); with `checkpoint_size` (bytes)
   warns when free space is below two checkpoints."""
-  from toolkit import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
-  if (problem := workdir_lib.problem(workdir)) is not None:
+  if (problem := workdir_lib.problem(workdir, reach=True)) is not None:
     raise ConfigError(problem)
+  if workdir_lib.is_url(workdir):
+    return  # an object store: no folders to create, no local disk to measure
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
@@ -169,7 +171,7 @@ def prepare_workdir(workdir: str, checkpoint_size: int | None = None) -> None:
   storage.check_writable(workdir)
   if checkpoint_size is None:
     return
-  checkpoints = os.path.join(workdir, "checkpoints")
+  checkpoints = workdir_lib.join(workdir, "checkpoints")
   storage.check_writable(checkpoints)
   if (warning := storage.free_space_warning(checkpoints, checkpoint_size)) is not None:
     log(f"warning: {warning}")
@@ -177,8 +179,7 @@ def prepare_workdir(workdir: str, checkpoint_size: int | None = None) -> None:
 
 def write_config(config: ml_collections.ConfigDict, path: str) -> None:
   try:
-    with open(path, "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
+    workdir_lib.write_text(path, config.to_json_best_effort(indent=2))
   except OSError as e:
     raise storage.StorageError(f"{path} cannot be written ({storage.cause(e)}); "
                                f"{storage.fix(e)}") from None
@@ -451,14 +452,14 @@ def write_plots(run_: Run, workdir: str) -> None:
   if jax.process_index() != 0:
     return
   try:
-    plot = metrics_lib.plot_loss_curve(run_.writer.path, os.path.join(workdir, "loss.png"))
+    plot = metrics_lib.plot_loss_curve(run_.writer.path, workdir_lib.join(workdir, "loss.png"))
     if plot:
       log(f"loss curve: {plot}")
     result = run_.result
     if result.confusion is not None:
       last = max(result.eval_metrics)
       path = metrics_lib.plot_confusion_matrix(
-          result.confusion, os.path.join(workdir, "confusion.png"),
+          result.confusion, workdir_lib.join(workdir, "confusion.png"),
           f"held-out, step {last}: accuracy {result.eval_metrics[last]['accuracy']:.2%}")
       log(f"confusion matrix: {path}")
   except OSError as e:

@@ -9,10 +9,12 @@ trace holds whole steps. A resumed run past START opens it at its first step.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 
 import jax
 
+from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
 
 
@@ -42,13 +44,21 @@ class StepProfiler:
   def __init__(self, window: tuple[int, int] | None, workdir: str,
                log: Callable[[str], None] = print):
     self.window, self.log = window, log
-    self.directory = os.path.join(os.path.abspath(workdir), "profile")
+    self.directory = workdir_lib.join(workdir_lib.absolute(workdir), "profile")
+    # gs://: JAX's profiler writes local files; they are uploaded when the trace closes.
+    self._staging = None
     self.active = False
+
+  def _trace_folder(self) -> str:
+    if not workdir_lib.is_url(self.directory):
+      return self.directory
+    self._staging = tempfile.TemporaryDirectory(prefix="meshkit-profile-")
+    return self._staging.name
 
   def before_step(self, step: int) -> None:
     """Call before dispatching step `step` (1-based)."""
     if self.window and not self.active and self.window[0] <= step < self.window[1]:
-      jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+      jax.profiler.start_trace(self._trace_folder(), create_perfetto_trace=True)
       self.active = True
 
   def after_step(self, step: int, outputs) -> None:
@@ -61,6 +71,15 @@ class StepProfiler:
     if self.active:
       jax.profiler.stop_trace()
       self.active = False
+      if self._staging is not None:
+        for folder, _, files in os.walk(self._staging.name):
+          for name in files:
+            local = os.path.join(folder, name)
+            with open(local, "rb") as f:
+              workdir_lib.write_bytes(workdir_lib.join(
+                  self.directory, os.path.relpath(local, self._staging.name)), f.read())
+        self._staging.cleanup()
+        self._staging = None
       self.log(f"profile of steps {self.window[0]}-{self.window[1] - 1}: {self.directory} "
                f"(tensorboard --logdir={self.directory}, or its perfetto_trace.json.gz in "
                f"ui.perfetto.dev)")

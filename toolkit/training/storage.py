@@ -27,6 +27,8 @@ _FIX = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "raise the disk q
 _OS_ERROR_CODE = re.compile(r"\[os_error_code='?(\d+)'?\]|\[Errno (\d+)\]")
 # Folders Orbax writes into before it renames them to the step's name (local disks).
 _TEMPORARY = ".orbax-checkpoint-tmp"
+# What Orbax writes last into a step folder on an object store, where it cannot rename.
+_COMMITTED = "commit_success.txt"
 
 
 class StorageError(ConfigError):
@@ -94,20 +96,23 @@ def free_space_warning(directory: str, needed_bytes: int) -> str | None:
 
 
 def remove_partial(directory: str) -> list[str]:
-  """Removes the temporary folders of unfinished saves in `directory`; returns their names.
+  """Removes the folders of unfinished saves in `directory`; returns their names.
 
   On local disks Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it when
-  complete, so those folders are exactly the partial checkpoints. (On an object store Orbax
-  writes in place and marks a complete step with commit_success.txt; a partial step is a step
-  folder without it.) Folders that cannot be removed (a read-only disk) are left: Orbax never
+  complete, so those folders are exactly the partial checkpoints. On an object store (gs://)
+  Orbax writes in place and marks a complete step with commit_success.txt last: a partial step
+  is a step folder without it (Orbax ignores it; a save of the same step later would write
+  over its leftovers). Folders that cannot be removed (a read-only disk) are left: Orbax never
   reads them, and the next run's manager removes them at start."""
   removed = []
+  in_place = "://" in str(directory)
   try:
     entries = list(epath.Path(directory).iterdir())
   except OSError:
     return removed
   for entry in entries:
-    if _TEMPORARY in entry.name:
+    if _TEMPORARY in entry.name or (in_place and entry.name.isdigit()
+                                    and not (entry / _COMMITTED).exists()):
       try:
         entry.rmtree()
         removed.append(entry.name)

@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import sharding
+from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
 from toolkit.training import checkpoint, metrics as metrics_lib, state as state_lib
 from toolkit.training import step as step_lib
@@ -314,9 +315,9 @@ def run(configs: Sequence[ml_collections.ConfigDict], workdirs: Sequence[str], u
       f"{pop.setup.spec.rules.name}: parameters {table.total_bytes / 2**20:.2f} MiB in all, "
       f"{table.per_device_bytes / 2**20:.2f} MiB per device")
   for workdir, trial_config in zip(workdirs, configs):
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(trial_config.to_json_best_effort(indent=2))
+    workdir_lib.makedirs(workdir)
+    workdir_lib.write_text(os.path.join(workdir, "config.json"),
+                           trial_config.to_json_best_effort(indent=2))
   trials = _Trials(pop, list(configs), list(workdirs), until, log)
 
   # --- restore or init -----------------------------------------------------------------------

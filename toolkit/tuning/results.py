@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import math
 import os
 from collections.abc import Sequence
 from typing import Any
 
+from toolkit import workdir as workdir_lib
 from toolkit.training import metrics as metrics_lib
 
 # Columns that describe the run rather than its outcome: they differ between reruns.
@@ -63,10 +65,11 @@ def write(results: Sequence[TrialResult], fields: Sequence[str], directory: str,
   table = rows(results, fields)
   paths = {"csv": os.path.join(directory, "results.csv"),
            "markdown": os.path.join(directory, "results.md")}
-  with open(paths["csv"], "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(table[0]))
-    writer.writeheader()
-    writer.writerows(table)
+  text = io.StringIO(newline="")
+  writer = csv.DictWriter(text, fieldnames=list(table[0]))
+  writer.writeheader()
+  writer.writerows(table)
+  workdir_lib.write_text(paths["csv"], text.getvalue())
   ranked = sorted(results, key=_sort_key)
   best = ranked[0]
   lines = [f"# Sweep results ({len(results)} trials, {mode} mode)", "",
@@ -87,15 +90,13 @@ def write(results: Sequence[TrialResult], fields: Sequence[str], directory: str,
            plot_vs_fields(results, fields, os.path.join(directory, "hyperparameters.png"))]
   for plot in filter(None, plots):
     lines.append(f"![{os.path.basename(plot)}]({os.path.basename(plot)})")
-  with open(paths["markdown"], "w") as f:
-    f.write("\n".join(lines) + "\n")
+  workdir_lib.write_text(paths["markdown"], "\n".join(lines) + "\n")
   paths.update(curves=plots[0], fields=plots[1])
   return paths
 
 
 def read_csv(path: str) -> list[dict[str, str]]:
-  with open(path, newline="") as f:
-    return list(csv.DictReader(f))
+  return list(csv.DictReader(io.StringIO(workdir_lib.read_text(path), newline="")))
 
 
 def _short(value: Any) -> str:
@@ -126,7 +127,7 @@ def plot_curves(results: Sequence[TrialResult], path: str) -> str | None:
   if len(results) <= 16:
     ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
-  fig.savefig(path)
+  metrics_lib.save_figure(fig, path)
   plt.close(fig)
   return path
 
@@ -155,6 +156,6 @@ def plot_vs_fields(results: Sequence[TrialResult], fields: Sequence[str], path: 
     ax.grid(alpha=0.3)
   fig.suptitle("final eval loss vs each swept field (gray: stopped early)")
   fig.tight_layout()
-  fig.savefig(path)
+  metrics_lib.save_figure(fig, path)
   plt.close(fig)
   return path

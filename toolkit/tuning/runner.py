@@ -32,6 +32,7 @@ import math
 import os
 import queue
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +43,7 @@ import ml_collections
 
 import sharding
 from toolkit import command_line
+from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
 from toolkit.training import loop
 from toolkit.tuning import population, results as results_lib, search
@@ -104,10 +106,9 @@ def load(config_arg: str, fixed: dict[str, Any] | None = None) -> Loaded:
 # --- trial records ---------------------------------------------------------------------------
 
 def _write_json(path: str, value: Any) -> None:
-  """Written to a temporary file and renamed: a killed sweep never leaves half a record."""
-  with open(path + ".tmp", "w") as f:
-    json.dump(value, f, indent=2)
-  os.replace(path + ".tmp", path)
+  """Written whole (a temporary file renamed, or one gs:// upload): a killed sweep never leaves
+  half a record."""
+  workdir_lib.write_text(path, json.dumps(value, indent=2))
 
 
 class Records:
@@ -118,9 +119,8 @@ class Records:
     self.records = []
     for i, directory in enumerate(self.dirs):
       path = os.path.join(directory, "trial.json")
-      if os.path.exists(path):
-        with open(path) as f:
-          record = json.load(f)
+      if workdir_lib.exists(path):
+        record = json.loads(workdir_lib.read_text(path))
       else:
         record = {"trial": f"{i:03d}", "overrides": loaded.overrides[i], "status": "pending",
                   "step": 0, "starts": 0, "seconds": 0.0, "tokens": 0}
@@ -132,7 +132,7 @@ class Records:
 
   def save(self, index: int, **changes) -> None:
     self.records[index].update(changes)
-    os.makedirs(self.dirs[index], exist_ok=True)
+    workdir_lib.makedirs(self.dirs[index])
     _write_json(os.path.join(self.dirs[index], "trial.json"), self.records[index])
 
 
@@ -141,9 +141,8 @@ def _check_same_sweep(loaded: Loaded, workdir: str) -> None:
   declared = json.loads(json.dumps({"config": loaded.config_arg, "base": loaded.sweep.base,
                                     "fixed": dict(loaded.sweep.fixed),
                                     "trials": loaded.overrides}))
-  if os.path.exists(path):
-    with open(path) as f:
-      saved = json.load(f)
+  if workdir_lib.exists(path):
+    saved = json.loads(workdir_lib.read_text(path))
     for key in ("base", "fixed", "trials"):
       if saved.get(key) != declared[key]:
         raise ConfigError(f"--workdir={workdir} holds a different sweep (its {key} differ from "
@@ -173,17 +172,27 @@ def _tokens_per_step(config) -> int:
 
 class _ThreadOutput(io.TextIOBase):
   """sys.stdout while trials train in threads: each line gets its trial's prefix on the
-  console and goes, unprefixed, to that trial's train.log."""
+  console and goes, unprefixed, to that trial's train.log (on gs://: a local file, uploaded
+  whole, after the log already there, when the trial's run ends)."""
 
   def __init__(self, stream):
     self.stream, self.local, self.lock = stream, threading.local(), threading.Lock()
 
   def attach(self, prefix: str, path: str) -> None:
-    self.local.prefix, self.local.file, self.local.buffer = prefix, open(path, "a"), ""
+    self.local.remote = path if workdir_lib.is_url(path) else None
+    local = tempfile.mkstemp(prefix="meshkit-train-", suffix=".log")[1] if self.local.remote \
+        else path
+    self.local.prefix, self.local.file, self.local.buffer = prefix, open(local, "a"), ""
 
   def detach(self) -> None:
     if getattr(self.local, "file", None):
       self.local.file.close()
+      if self.local.remote:
+        earlier = (workdir_lib.path(self.local.remote).read_bytes()
+                   if workdir_lib.exists(self.local.remote) else b"")
+        with open(self.local.file.name, "rb") as f:
+          workdir_lib.write_bytes(self.local.remote, earlier + f.read())
+        os.remove(self.local.file.name)
     self.local.prefix = self.local.file = None
 
   def write(self, text: str) -> int:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import ml_collections
 
+from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
 from toolkit.training import loop, metrics as metrics_lib
 from toolkit.tuning import search
@@ -121,10 +122,9 @@ def write(results: Sequence[SeedResult], workdir: str) -> dict[str, str]:
   """seeds.json (every seed's metrics and the summary) and seeds.png; returns their paths."""
   paths = {"json": os.path.join(workdir, "seeds.json"),
            "plot": os.path.join(workdir, "seeds.png")}
-  with open(paths["json"], "w") as f:
-    json.dump({"seeds": [dataclasses.asdict(r) for r in results],
-               "summary": {n: dataclasses.asdict(s) for n, s in summarize(results).items()}},
-              f, indent=2)
+  workdir_lib.write_text(paths["json"], json.dumps(
+      {"seeds": [dataclasses.asdict(r) for r in results],
+       "summary": {n: dataclasses.asdict(s) for n, s in summarize(results).items()}}, indent=2))
   plot_curves(results, paths["plot"])
   return paths
 
@@ -151,6 +151,6 @@ def plot_curves(results: Sequence[SeedResult], path: str) -> str:
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path)
+  metrics_lib.save_figure(fig, path)
   plt.close(fig)
   return path
