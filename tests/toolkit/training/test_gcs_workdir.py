@@ -131,6 +131,7 @@ def test_a_half_written_step_is_skipped_and_removed(gcs_server, gcs_bucket):
   assert _committed(gcs_server, gcs_bucket, "run") == [60, 80]
 
 
+@pytest.mark.slow
 def test_generate_serve_and_a_sweep_use_the_bucket(gcs_server, gcs_bucket, tmp_path):
   env = _env(gcs_server)
   url = f"gs://{gcs_bucket}/run"
@@ -222,6 +223,7 @@ def test_an_unusable_bucket_is_one_line_within_30_s(gcs_server, gcs_bucket, tmp_
   assert os.listdir(tmp_path) == [], "something was created locally"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_two_process_pod_writes_one_bucket_workdir_that_restores_on_one(gcs_server, gcs_bucket,
                                                                          tmp_path):
