@@ -80,7 +80,7 @@ def main(argv) -> None:
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
   from scripts import bench_checkpoint  # pylint: disable=g-import-not-at-top
   try:
-    from tests import gcs_emulator  # pylint: disable=g-import-not-at-top
+    from scripts import gcs_emulator  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     sys.exit(f"error: the emulator is missing ({e}); install the test extra: "
              f"pip install -e '.[test]'")
@@ -103,7 +103,8 @@ def main(argv) -> None:
                 f"{seconds * 1000:.0f} ms", flush=True)
     finally:
       server.stop()
-  results = {"variant": variant, "overrides": overrides, "steps": steps, "checkpoint_every": every, "rounds": rounds}
+  results = {"variant": variant, "overrides": overrides, "steps": steps,
+             "checkpoint_every": every, "rounds": rounds}
   state_bytes = runs["local"][0]["bytes"]
   print(f"experiments/lm.py:{variant}: train state {state_bytes / 2**20:,.1f} MiB, "
         f"{len(runs['local'][0]['saves'])} saves per run, {rounds} round(s); medians:")

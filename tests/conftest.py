@@ -10,10 +10,10 @@ import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-posit
 assert jax.device_count() == 8, "tests expect 8 simulated CPU devices"
 
 
-# --- a local Cloud Storage (tests/gcs_emulator.py) -------------------------------------------
+# --- a local Cloud Storage (scripts/gcs_emulator.py) -------------------------------------------
 import pytest  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
-from tests import gcs_emulator  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from scripts import gcs_emulator  # noqa: E402  pylint: disable=wrong-import-position
 
 
 @pytest.fixture(scope="session")

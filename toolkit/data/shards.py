@@ -15,8 +15,8 @@ Any Hugging Face `tokenizer.json` works through the `tokenizers` library.
 
 The shard folder may be a Cloud Storage URL (gs://bucket/path). Its meta.json is read from
 there; the token files of each split read are copied once into a local cache folder
-(`workdir.cache_folder`: $XDG_CACHE_HOME/meshkit/tokens/...) and memory-mapped from that copy, reused
-while each file's size matches meta.json. Every host keeps a whole copy; for data larger than
+(`workdir.cache_folder`: $XDG_CACHE_HOME/meshkit/tokens/...) and memory-mapped from that copy,
+reused while each file's size matches meta.json. Every host keeps a whole copy; for data larger than
 a host's disk, mount the bucket (gcsfuse) and give the local path instead.
 """
 from __future__ import annotations

