@@ -19,8 +19,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models import attention as attention_lib
 from models import moe, rope
+from models.linear import dense
 from models.params import normal as _param
 from models.stack import REMAT_POLICIES, RematPolicy, run_layers, scan_or_unroll
+import sharding
 from sharding import constrain
 
 # Logical axes of one layer's key or value cache; the stacked cache has "layers" in front.
@@ -59,7 +61,8 @@ class LlamaConfig:
   # False: every position attends to every other (bidirectional), for encoders such as
   # models/vit.py that reuse these blocks; the LM is causal.
   causal: bool = True
-  # models.attention: auto, xla, blockwise, splash, cudnn (decoding one token keeps its own).
+  # models.attention: auto, xla, blockwise, splash, cudnn, ring (decoding one token keeps its
+  # own).
   attention: str = "auto"
   # Tokens per device whose logits the training loss holds at once (the vocabulary loss runs
   # over chunks of positions and never holds all float32 logits or their gradient); 0 = one
@@ -199,17 +202,6 @@ class RMSNorm(nnx.Module):
     return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
-  """x (batch, length, *in) times w (*in, *out) over the `contract` trailing dims of x, as one
-  (tokens, in) @ (in, out) matmul: XLA's CPU backend ran the MLP's forward and backward 1.8x
-  faster so than with batch and length kept as separate dimensions (the weight gradient
-  contracts both); on TPU the compiler canonicalizes to the same matmul either way."""
-  lead, inner = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:]
-  out = w.shape[contract:]
-  flat = x.reshape(math.prod(lead), math.prod(inner)) @ w.reshape(math.prod(inner), -1)
-  return flat.reshape(*lead, *out)
-
-
 class Attention(nnx.Module):
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
     d, hd, std = cfg.d_model, cfg.resolved_head_dim, cfg.init_std
@@ -239,18 +231,19 @@ class Attention(nnx.Module):
   def _output(self, out: jax.Array) -> jax.Array:
     return dense(out, self.wo[...].astype(out.dtype), contract=2)
 
-  def _attend(self, q, k, v, causal: bool):
-    return attention_lib.attend(q, k, v, causal=causal, implementation=self.cfg.attention)
+  def _attend(self, q, k, v, causal: bool, positions: jax.Array):
+    return attention_lib.attend(q, k, v, causal=causal, implementation=self.cfg.attention,
+                                positions=positions)
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     q, k, v = self._project(x, positions)
-    return self._output(self._attend(q, k, v, self.cfg.causal))
+    return self._output(self._attend(q, k, v, self.cfg.causal, positions))
 
   def prefill(self, x: jax.Array, positions: jax.Array):
     """Causal self-attention over a prompt, also returning its keys and values (the rows it
     writes into the KV cache), each (batch, length, kv_heads, head_dim)."""
     q, k, v = self._project(x, positions)
-    return self._output(self._attend(q, k, v, True)), k, v
+    return self._output(self._attend(q, k, v, True, positions)), k, v
 
   def decode(self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array],
              layer):
@@ -428,7 +421,15 @@ class Llama(nnx.Module):
     return self.unembed[...].astype(dtype), "ev"
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.compute_dtype)
+    table = self.embed[...]
+    if sharding.active_ways("length") > 1:
+      # Positions split too: gathering rows straight from the stored layout into the
+      # activations' is a reshard XLA's SPMD partitioner does by replicating the rows
+      # ("involuntary full rematerialization"); so the table goes to its compute layout
+      # first. (Not with the length whole: there the same constraint made two-process CPU
+      # runs time out in Gloo's all-gather, tests/toolkit/pod/test_multiprocess.py.)
+      table = constrain(table, ("vocab", "embed"))
+    x = jnp.take(table, tokens, axis=0).astype(self.cfg.compute_dtype)
     return constrain(x, ("batch", "length", "embed"))
 
   def _logits(self, features: jax.Array) -> jax.Array:

@@ -4,6 +4,7 @@ This package knows nothing about models or the training loop: models speak logic
 names (``sharding.axes``), rules map those names onto mesh axes, and the mesh maps mesh axes
 onto devices.
 """
+from sharding import sequence
 from sharding.axes import LOGICAL_AXES
 from sharding.errors import ShardingError
 from sharding.mesh import MESH_AXES, make_mesh, parse_axis_sizes
@@ -14,5 +15,5 @@ from sharding.per_device import active_axes, active_mesh, active_ways, shard_map
 __all__ = [
     "LOGICAL_AXES", "MESH_AXES", "PRESETS", "Rules", "ShardingError", "ShardingReport",
     "activation_rules", "active_axes", "active_mesh", "active_ways", "constrain", "make_mesh",
-    "parse_axis_sizes", "shard_map", "sharding_report",
+    "parse_axis_sizes", "sequence", "shard_map", "sharding_report",
 ]

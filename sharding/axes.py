@@ -2,7 +2,9 @@
 
 LOGICAL_AXES: dict[str, str] = {
     "batch": "examples in a batch (activations, data)",
-    "length": "token positions in a sequence (activations)",
+    "length": "token positions in a sequence (activations; context parallelism splits them)",
+    "kv_length": "the key/value positions attention reads (whole on every device, so context "
+                 "parallelism gathers keys and values inside attention)",
     "embed": "the model (residual stream) width",
     "heads": "query attention heads",
     "kv_heads": "key/value attention heads (fewer than heads under grouped-query attention)",

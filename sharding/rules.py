@@ -32,6 +32,12 @@ def _table(**entries: tuple[str, ...]) -> Table:
   return {**_REPLICATED, **_TRIAL, **entries}
 
 
+def _compute(**entries: tuple[str, ...]) -> Table:
+  """An activation table: every preset splits token positions over the `sequence` mesh axis
+  (context parallelism), which meshes without that axis drop; `kv_length` stays whole."""
+  return _table(length=("sequence",), **entries)
+
+
 # Expert parallelism: each device holds its share of a mixture-of-experts layer's experts
 # (parameters and their compute alike), and the `expert` axis splits the batch everywhere else,
 # so it is data parallel for attention and the dense layers.
@@ -42,28 +48,32 @@ _TP = dict(heads=("tensor",), kv_heads=("tensor",), mlp=("tensor",), vocab=("ten
 # preset -> (parameter table, activation table)
 PRESETS: dict[str, tuple[Table, Table]] = {
     # Data parallel: parameters replicated, the batch split over every batch-like axis.
-    "dp": (_table(), _table(batch=_BATCH)),
+    "dp": (_table(), _compute(batch=_BATCH)),
     # ZeRO-3 style: parameters stored split along `embed` over fsdp, gathered for compute.
-    "fsdp": (_table(embed=("fsdp",)), _table(batch=_BATCH)),
+    "fsdp": (_table(embed=("fsdp",)), _compute(batch=_BATCH)),
     # Megatron-style tensor parallel: heads, mlp and vocab split over tensor, weights and
     # activations alike; the residual stream stays whole.
     "tp": (
         _table(heads=("tensor",), kv_heads=("tensor",), mlp=("tensor",), vocab=("tensor",)),
-        _table(batch=_BATCH, heads=("tensor",), kv_heads=("tensor",), mlp=("tensor",),
-               vocab=("tensor",)),
+        _compute(batch=_BATCH, heads=("tensor",), kv_heads=("tensor",), mlp=("tensor",),
+                 vocab=("tensor",)),
     ),
     # Both: fsdp over the residual width at rest, tensor over heads/mlp/vocab.
     "fsdp_tp": (
         _table(embed=("fsdp",), heads=("tensor",), kv_heads=("tensor",), mlp=("tensor",),
                vocab=("tensor",)),
-        _table(batch=_BATCH, heads=("tensor",), kv_heads=("tensor",), mlp=("tensor",),
-               vocab=("tensor",)),
+        _compute(batch=_BATCH, heads=("tensor",), kv_heads=("tensor",), mlp=("tensor",),
+                 vocab=("tensor",)),
     ),
+    # fsdp with context parallelism: parameters stored split over fsdp and sequence together
+    # (so a sequence axis holds no replicated copies), the batch over data/fsdp and the token
+    # positions over sequence in compute.
+    "fsdp_cp": (_table(embed=("fsdp", "sequence")), _compute(batch=_BATCH)),
     # fsdp plus expert parallelism: experts split over `expert`, the batch also over it.
-    "fsdp_ep": (_table(embed=("fsdp",), **_EXPERTS), _table(batch=_BATCH_EP, **_EXPERTS)),
+    "fsdp_ep": (_table(embed=("fsdp",), **_EXPERTS), _compute(batch=_BATCH_EP, **_EXPERTS)),
     # fsdp_tp plus expert parallelism; each expert's hidden width is split over tensor.
     "fsdp_tp_ep": (_table(embed=("fsdp",), **_TP, **_EXPERTS),
-                   _table(batch=_BATCH_EP, **_TP, **_EXPERTS)),
+                   _compute(batch=_BATCH_EP, **_TP, **_EXPERTS)),
 }
 
 

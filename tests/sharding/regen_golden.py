@@ -21,6 +21,9 @@ RULES_PRESETS = tuple(PRESETS)
 MESH = "data:1,fsdp:4,tensor:2"
 # A mixture of experts also on an expert axis, where the *_ep presets split its experts.
 MESHES = {"moe_tiny": "data:1,fsdp:2,expert:2,tensor:2"}
+# Presets for an axis MESH lacks get a mesh with it (fsdp_cp stores parameters over fsdp and
+# sequence together), for every model.
+PRESET_MESHES = {"fsdp_cp": "data:1,fsdp:2,sequence:4"}
 
 
 def golden_path(model: str, preset: str) -> pathlib.Path:
@@ -35,12 +38,12 @@ def entries(model: str) -> tuple:
 
 
 @functools.cache
-def mesh(model: str):
-  return make_mesh(parse_axis_sizes(MESHES.get(model, MESH)))
+def mesh(model: str, preset: str = ""):
+  return make_mesh(parse_axis_sizes(PRESET_MESHES.get(preset) or MESHES.get(model, MESH)))
 
 
 def report(model: str, preset: str):
-  return sharding_report(entries(model), Rules.preset(preset), mesh(model))
+  return sharding_report(entries(model), Rules.preset(preset), mesh(model, preset))
 
 
 def resolved_specs(model: str, preset: str) -> dict[str, str]:

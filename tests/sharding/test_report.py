@@ -68,6 +68,9 @@ INTENDED = {
         "layers/attention/wo": "P(None, 'tensor', None, 'fsdp')",
     },
 }
+# fsdp_cp: fsdp's table with the sequence axis beside fsdp (regen_golden's mesh has both).
+INTENDED["fsdp_cp"] = {path: spec.replace("'fsdp'", "('fsdp', 'sequence')")
+                       for path, spec in INTENDED["fsdp"].items()}
 # The *_ep presets add only the experts' split: a dense model's specs are their base preset's.
 INTENDED["fsdp_ep"], INTENDED["fsdp_tp_ep"] = INTENDED["fsdp"], INTENDED["fsdp_tp"]
 # A mixture of experts' MLP: router (layers, embed, experts), w_gate (layers, experts, embed,
@@ -75,6 +78,9 @@ INTENDED["fsdp_ep"], INTENDED["fsdp_tp_ep"] = INTENDED["fsdp"], INTENDED["fsdp_t
 INTENDED_MOE_MLP = {
     "fsdp": {"router": "P(None, 'fsdp')", "w_gate": "P(None, None, 'fsdp')",
              "w_down": "P(None, None, None, 'fsdp')"},
+    "fsdp_cp": {"router": "P(None, ('fsdp', 'sequence'))",
+                "w_gate": "P(None, None, ('fsdp', 'sequence'))",
+                "w_down": "P(None, None, None, ('fsdp', 'sequence'))"},
     "tp": {"router": "P()", "w_gate": "P(None, None, None, 'tensor')",
            "w_down": "P(None, None, 'tensor')"},
     "fsdp_tp": {"router": "P(None, 'fsdp')", "w_gate": "P(None, None, 'fsdp', 'tensor')",
@@ -109,6 +115,8 @@ def test_golden_matches_the_intent_of_the_preset(model, preset):
     # router's second is `experts`, which only the *_ep presets split).
     if "fsdp" in preset:
       assert "'fsdp'" in spec, (path, spec)
+    if preset.endswith("_cp"):
+      assert "('fsdp', 'sequence')" in spec, (path, spec)
     if "tp" in preset and not path.endswith("/router"):
       assert "'tensor'" in spec, (path, spec)
     if preset.endswith("_ep") and path.endswith(("/router", "/w_gate", "/w_up", "/w_down")):

@@ -72,8 +72,30 @@ def test_preset_activation_specs(mesh, preset, case):
 EP_PRESETS = {"fsdp_ep": "fsdp", "fsdp_tp_ep": "fsdp_tp"}
 
 
+# Context parallelism: fsdp_cp is fsdp with parameters stored over fsdp and sequence together.
+CP_PRESETS = {"fsdp_cp": "fsdp"}
+
+
 def test_presets_are_exactly_the_documented_ones():
-  assert set(PRESETS) == set(PRESET_ORDER) | set(EP_PRESETS)
+  assert set(PRESETS) == set(PRESET_ORDER) | set(EP_PRESETS) | set(CP_PRESETS)
+
+
+@pytest.mark.parametrize("preset", [*PRESET_ORDER, *EP_PRESETS, *CP_PRESETS])
+def test_every_preset_splits_positions_over_sequence_and_keeps_keys_whole(preset):
+  mesh = make_mesh([("fsdp", 2), ("sequence", 2), ("tensor", 2)])
+  rules = Rules.preset(preset)
+  assert rules.activation_spec(("length",), mesh) == P("sequence")
+  assert rules.activation_spec(("kv_length",), mesh) == P()
+  # A mesh without the axis drops it: positions stay whole.
+  assert Rules.preset(preset).activation_spec(("length",), make_mesh([("fsdp", 8)])) == P()
+
+
+def test_fsdp_cp_stores_parameters_over_fsdp_and_sequence():
+  mesh = make_mesh([("fsdp", 2), ("sequence", 4)])
+  rules, base = Rules.preset("fsdp_cp"), Rules.preset("fsdp")
+  assert rules.param_spec(("embed", "mlp"), mesh) == P(("fsdp", "sequence"))
+  assert base.param_spec(("embed", "mlp"), mesh) == P("fsdp")
+  assert rules.activations == base.activations
 
 
 @pytest.mark.parametrize("preset", EP_PRESETS)
@@ -152,7 +174,7 @@ def test_unknown_preset():
 def test_unknown_logical_axis_in_override():
   with pytest.raises(ShardingError,
                      match=r"sharding\.param_overrides: unknown logical axis 'hidden'; known: "
-                           r"batch, length, embed"):
+                           r"batch, length, kv_length, embed"):
     Rules.preset("tp", param_overrides="hidden=tensor")
 
 

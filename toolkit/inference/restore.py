@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from toolkit.errors import ConfigError
 from toolkit.training import checkpoint
 from toolkit.training.checkpoint import open_latest
 from toolkit.training import setup as setup_lib
@@ -15,6 +16,7 @@ def restore_params(config: ml_collections.ConfigDict, checkpoint_path: str, devi
   manager, step = open_latest(checkpoint_path)
   try:
     setup = setup_lib.build(config, devices)
+    _refuse_split_cache(setup)
     checkpoint.check_compatible(manager.saved_config(step), setup.spec.model,
                                 f"{manager.directory} step {step}")
     # Parameters only: the optimizer moments (2x the parameters for AdamW) are never read.
@@ -22,6 +24,19 @@ def restore_params(config: ml_collections.ConfigDict, checkpoint_path: str, devi
   finally:
     manager.close()
   return params, setup.spec.model, setup.spec.mesh, setup.spec.rules, step
+
+
+def _refuse_split_cache(setup: setup_lib.Setup) -> None:
+  """Decoding reads a KV cache laid out like the activations: with token positions split over
+  devices (context parallelism), every new token would gather the whole cache. Refused."""
+  spec = setup.spec
+  axes = spec.rules.activation_spec(("length",), spec.mesh)
+  axes = [a for e in axes if e for a in ((e,) if isinstance(e, str) else e)]
+  if setup.task.name == "lm" and any(spec.mesh.shape[a] > 1 for a in axes):
+    split = "x".join(f"{a}={spec.mesh.shape[a]}" for a in axes)
+    raise ConfigError(f"decoding with a KV cache split over {split} (context parallelism) is "
+                      f"not supported; serve the checkpoint on a mesh without the sequence axis, "
+                      f"e.g. --config.mesh.ici=fsdp:-1 (checkpoints restore onto any mesh)")
 
 
 def single_device_config(saved: dict) -> ml_collections.ConfigDict:

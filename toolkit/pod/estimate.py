@@ -34,7 +34,8 @@ Communication (bytes sent per device, ring algorithms): parameter all-gathers ov
 (forward and backward, per micro-batch), gradient reduce-scatter over fsdp and all-reduce over
 the other batch axes (not over the expert axes for expert weights, which they split), tensor-
 parallel all-reduces of the residual stream (two per layer forward, two backward, two more
-when `full` remat recomputes them), and per MoE layer the token exchange over the expert axes
+when `full` remat recomputes them), under context parallelism the keys and values each layer
+gathers over the `sequence` axes (and their gradients' reduce-scatter), and per MoE layer the token exchange over the expert axes
 (ring: an all-gather and a reduce-scatter of the tokens; ragged all-to-all or capacity: the
 k assignments there and back), forward, backward and once more under a remat policy that
 recomputes it (full, minimal, save_attention); the part across slices is counted for a
@@ -87,8 +88,9 @@ class Shape:
 
   @property
   def tokens_per_device(self) -> float:
-    """Tokens of one micro-batch that one device processes."""
-    return self.rows_per_device * self.seq_len
+    """Tokens of one micro-batch that one device processes (positions split over `length`'s
+    axes under context parallelism)."""
+    return self.rows_per_device * self.seq_len / self.activation_ways("length")
 
   @property
   def attention(self) -> str:
@@ -97,15 +99,26 @@ class Shape:
     q_shape = (1, self.seq_len, m.n_heads, m.resolved_head_dim)
     kv_shape = (1, self.seq_len, m.n_kv_heads, m.resolved_head_dim)
     return attention_lib.resolve(m.attention, q_shape, kv_shape, m.compute_dtype,
-                                 on=self.platform)
+                                 on=self.platform,
+                                 split_length=self.activation_ways("length") > 1)
 
   @property
   def loss_chunk_positions(self) -> int:
     """Positions per chunk of the vocabulary loss; 0 when it runs over full logits."""
     if not self.model.loss_chunk:
       return 0
-    return losses.chunk_positions(self.model.loss_chunk, int(self.rows_per_device),
-                                  self.seq_len)
+    return losses.split_chunk_positions(self.model.loss_chunk, int(self.rows_per_device),
+                                        self.seq_len, self.activation_ways("length"))
+
+  @property
+  def gathered_kv_bytes(self) -> float:
+    """Context parallelism's keys and values of one layer, gathered whole on every device
+    (models.attention.gathered; ring attention holds one block at a time): 0 unsplit."""
+    m = self.model
+    if self.activation_ways("length") == 1 or self.attention == "ring":
+      return 0.0
+    kv = 2 * m.n_kv_heads * m.resolved_head_dim / self.activation_ways("kv_heads")
+    return self.rows_per_device * self.seq_len * kv * _BYTES[m.compute_dtype]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +193,7 @@ def _logits_bytes(shape: Shape) -> float:
   chunk = shape.loss_chunk_positions
   if not chunk:
     return tokens * vocab * (4 + 4 + a)
-  chunk_tokens = shape.rows_per_device * chunk
+  chunk_tokens = shape.rows_per_device * chunk / shape.activation_ways("length")
   matrix = m.vocab_size * m.d_model / shape.param_ways("vocab")
   return chunk_tokens * vocab * (4 + 4 + a) + tokens * 4 + matrix * 4 + tokens * m.d_model * a
 
@@ -195,7 +208,9 @@ def memory(shape: Shape) -> Memory:
   tokens = shape.tokens_per_device
   kept = m.n_layers * _per_token_layer_bytes(shape, m.remat)
   working = _per_token_layer_bytes(shape, "none") if m.remat != "none" else 0.0
-  activations = tokens * (kept + working)
+  # Under context parallelism one layer's keys and values gathered whole, and their
+  # gradients before the reduce-scatter.
+  activations = tokens * (kept + working) + 2 * shape.gathered_kv_bytes
   logits = _logits_bytes(shape)
   tensor = shape.param_ways("mlp")
   tables = 1 if m.tie_embeddings else 2
@@ -257,7 +272,8 @@ def executed_flops_per_device(shape: Shape) -> float:
   # path does (toolkit.training.losses): nothing to add for it.
   per_token = (m.flops_per_token(shape.seq_len) - 12 * m.n_layers * m.n_heads * hd * shape.seq_len
                + 2 * m.n_layers * recomputed + attention_flops_per_token(shape))
-  split = shape.activation_ways("batch") * shape.activation_ways("mlp")
+  split = (shape.activation_ways("batch") * shape.activation_ways("mlp")
+           * shape.activation_ways("length"))
   return per_token * shape.global_batch_size * shape.seq_len / split
 
 
@@ -307,6 +323,12 @@ def communication(shape: Shape) -> tuple[float, float]:
   passes = {"none": 2, "save_dots": 2}.get(m.remat, 3)
   i, d = split(_exchanged_bytes(shape), [x for x in shape.rules.activations.get("experts", ())
                                          if x in mesh], passes * micro)
+  ici, dcn_bytes = ici + i, dcn_bytes + d
+  # Context parallelism: each layer gathers keys and values over `length`'s axes (forward,
+  # again where remat recomputes them) and reduce-scatters their gradients.
+  length_axes = [x for x in shape.rules.activations.get("length", ()) if x in mesh]
+  i, d = split(shape.gathered_kv_bytes, length_axes,
+               (2 if m.remat == "none" else 3) * m.n_layers * micro)
   ici, dcn_bytes = ici + i, dcn_bytes + d
   tensor = shape.activation_ways("mlp")
   if tensor > 1:

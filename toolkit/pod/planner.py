@@ -5,7 +5,8 @@ policy and micro-batch count to train a config with on a target, decided by comp
      axis is data, or fsdp for presets that shard parameters) x presets dp, fsdp, tp, fsdp_tp
      (each on the meshes where all its axes do work: dp on data only, fsdp without tensor, ...);
      for a mixture of experts also x expert (sizes dividing n_experts) with fsdp_ep and
-     fsdp_tp_ep on the meshes that have one
+     fsdp_tp_ep on the meshes that have one; from SEQUENCE_FROM positions also x sequence
+     (2, 4, 8) with fsdp_cp (context parallelism)
      x remat none, save_dots, minimal, save_attention, full x micro-batch counts (1 to 64,
      those that divide the batch) x attention auto, xla x vocabulary loss chunked (the
      config's model.loss_chunk) or not (0);
@@ -42,7 +43,11 @@ from toolkit.pod import aot, estimate, plan as plan_lib
 from toolkit.errors import ConfigError
 from toolkit.pod.target import Target
 
-PRESETS = ("dp", "fsdp", "tp", "fsdp_tp", "fsdp_ep", "fsdp_tp_ep")
+PRESETS = ("dp", "fsdp", "tp", "fsdp_tp", "fsdp_ep", "fsdp_tp_ep", "fsdp_cp")
+# From this many positions per sequence the planner also tries context parallelism: a sequence
+# axis of 2, 4 or 8 with fsdp_cp (the attention then splits its queries' work over it).
+SEQUENCE_FROM = 8192
+SEQUENCES = (2, 4, 8)
 REMATS = ("none", "save_dots", "minimal", "save_attention", "full")
 MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 ATTENTIONS = ("auto", "xla")
@@ -122,21 +127,28 @@ def enumerate_candidates(config: ml_collections.ConfigDict, target: Target,
   # A mixture of experts also splits its experts over an expert axis (sizes dividing both).
   n_experts = config.model.get("n_experts", 0)
   expert_sizes = [e for e in _divisors(per_slice) if n_experts % e == 0] if n_experts else [1]
+  # Long sequences also split their positions (even sizes the length's 2 x CP chunks divide).
+  seq_len = config.data.seq_len
+  sequence_sizes = [1] + [s for s in SEQUENCES if per_slice % s == 0 and seq_len % (2 * s) == 0
+                          and seq_len >= SEQUENCE_FROM]
   meshes = []
-  for expert, tensor in ((e, t) for e in expert_sizes for t in _divisors(per_slice // e)):
-    for fsdp in _divisors(per_slice // (expert * tensor)):
-      data = per_slice // (expert * tensor * fsdp)
+  for expert, tensor, sequence in ((e, t, q) for e in expert_sizes for q in sequence_sizes
+                                   for t in _divisors(per_slice // (e * q))):
+    for fsdp in _divisors(per_slice // (expert * tensor * sequence)):
+      data = per_slice // (expert * tensor * sequence * fsdp)
       for preset in presets:
         # Each preset on the meshes where every axis does work: the others repeat one.
         wanted = {"dp": fsdp == 1 and tensor == 1, "fsdp": tensor == 1 and fsdp > 1,
                   "tp": fsdp == 1 and tensor > 1, "fsdp_tp": fsdp > 1 and tensor > 1,
-                  "fsdp_ep": tensor == 1, "fsdp_tp_ep": tensor > 1}
-        if preset.endswith("_ep") != (expert > 1):
-          continue  # the *_ep presets exactly on meshes with an expert axis
+                  "fsdp_ep": tensor == 1, "fsdp_tp_ep": tensor > 1, "fsdp_cp": tensor == 1}
+        if preset.endswith("_ep") != (expert > 1) or preset.endswith("_cp") != (sequence > 1):
+          continue  # the *_ep (*_cp) presets exactly on meshes with an expert (sequence) axis
         if wanted[preset] or (preset in ("fsdp", "fsdp_tp") and per_slice == 1):
-          mesh = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
-          meshes.append((preset, mesh if n_experts else
-                         {k: v for k, v in mesh.items() if k != "expert"}))
+          mesh = {"data": data, "fsdp": fsdp, "sequence": sequence, "expert": expert,
+                  "tensor": tensor}
+          meshes.append((preset, {k: v for k, v in mesh.items()
+                                  if not (k == "expert" and not n_experts)
+                                  and not (k == "sequence" and sequence == 1)}))
   dcn_axes = ["data"] if target.slices > 1 else [""]
   batch = config.data.global_batch_size
   found = []

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 import sharding
 from models import KINDS, LlamaConfig
+from models import attention as attention_lib
 from toolkit.data import text
 from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
@@ -286,6 +287,7 @@ def resolve(config: ml_collections.ConfigDict,
   batch_ways = math.prod(mesh.shape[a] for a in batch_axes)
   if getattr(model, "n_experts", 0):
     _check_experts(model, mesh, rules, s.preset)
+  _check_context_parallel(model, mesh, rules, d, task)
   t = config.train
   if d.global_batch_size % t.microbatches:
     raise ConfigError(
@@ -357,6 +359,25 @@ def model_config(section: ml_collections.ConfigDict):
 def _mesh_axes(spec) -> list[str]:
   """The mesh axes of a one-dimensional PartitionSpec, in order."""
   return [a for e in spec if e for a in ((e,) if isinstance(e, str) else e)]
+
+
+def _check_context_parallel(model, mesh: Mesh, rules: sharding.Rules,
+                            data: ml_collections.ConfigDict, task: str) -> None:
+  """Token positions split over devices (context parallelism): a length the load-balanced
+  order can cut, and an attention implementation that masks by position."""
+  axes = _mesh_axes(rules.activation_spec(("length",), mesh))
+  ways = math.prod(mesh.shape[a] for a in axes)
+  if ways == 1:
+    return
+  if task == "lm":
+    sharding.sequence.check(data.seq_len, ways)
+  attention = getattr(model, "attention", "auto")
+  if attention not in attention_lib.SPLIT_LENGTH and attention not in ("auto", "ring"):
+    raise ConfigError(
+        f"model.attention={attention!r} cannot run with the token positions split over "
+        f"{'x'.join(f'{a}={mesh.shape[a]}' for a in axes)}; use model.attention=auto, "
+        f"{', '.join(attention_lib.SPLIT_LENGTH)} or ring, or drop the sequence axis from "
+        f"mesh.ici")
 
 
 def _check_experts(model, mesh: Mesh, rules: sharding.Rules, preset: str) -> None:

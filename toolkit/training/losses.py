@@ -30,7 +30,7 @@ import sharding
 
 # A chunk's tokens are flattened to one (rows x positions) dimension, batch-major: matmuls of
 # (tokens, embed) x (embed, vocab) run faster on XLA's CPU backend than with batch and
-# positions kept apart (models.llama.dense), and it shards like the batch.
+# positions kept apart (models.linear.dense), and it shards like the batch.
 _LOGITS_AXES = ("batch", "vocab")
 
 
@@ -55,12 +55,16 @@ def _strided(x, count: int, chunk: int):
 
 def _chunks(features, targets, chunk: int):
   """Strided chunks of the features, targets and weights (0 on padding positions), each
-  chunk's (rows, positions) flattened: (count, tokens, embed) and (count, tokens)."""
+  chunk's (rows, positions) flattened: (count, tokens, embed) and (count, tokens). With the
+  positions split over devices (context parallelism) rows and positions stay apart, (count,
+  batch, chunk, ...): XLA partitions their merge by gathering the positions."""
   batch, length = targets.shape
   count = -(-length // chunk)
   pad = ((0, 0), (0, count * chunk - length))
   weights = jnp.pad(jnp.ones((batch, length), jnp.float32), pad)
   flat = lambda x: x.reshape(count, batch * chunk, *x.shape[3:])
+  if sharding.active_ways("length") > 1:
+    flat = lambda x: x
   return (flat(_strided(jnp.pad(features, pad + ((0, 0),)), count, chunk)),
           flat(_strided(jnp.pad(targets, pad), count, chunk)),
           flat(_strided(weights, count, chunk)))
@@ -75,8 +79,9 @@ def _unchunk(x, batch: int, length: int):
 def _chunk_losses(f, t, w, matrix, letters: str):
   """One chunk, flattened: f (tokens, embed), t and w (tokens,). Its logits, logsumexp, and
   weighted cross-entropy and logsumexp^2 sums."""
-  logits = sharding.constrain(jnp.einsum(f"ne,{letters}->nv", f, matrix,
-                                         preferred_element_type=jnp.float32), _LOGITS_AXES)
+  axes = _LOGITS_AXES if f.ndim == 2 else ("batch", "length", "vocab")
+  logits = sharding.constrain(jnp.einsum(f"...e,{letters}->...v", f, matrix,
+                                         preferred_element_type=jnp.float32), axes)
   lse = jax.nn.logsumexp(logits, axis=-1)
   target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
   return logits, lse, ((lse - target_logit) * w).sum(), (lse * lse * w).sum()
@@ -114,10 +119,11 @@ def _objective_and_grads(features, matrix, targets, letters, chunk, z_loss):
     hot = jnp.arange(logits.shape[-1]) == t[..., None]
     # d/dlogits of (ce + z_loss * lse^2) / tokens, zero on padding.
     d_logits = (probs * (1.0 + 2.0 * z_loss * lse)[..., None] - hot) * (w * scale)[..., None]
-    d_logits = sharding.constrain(d_logits.astype(matrix.dtype), _LOGITS_AXES)
-    d_features = jnp.einsum(f"nv,{letters}->ne", d_logits, matrix,
+    axes = _LOGITS_AXES if f.ndim == 2 else ("batch", "length", "vocab")
+    d_logits = sharding.constrain(d_logits.astype(matrix.dtype), axes)
+    d_features = jnp.einsum(f"...v,{letters}->...e", d_logits, matrix,
                             preferred_element_type=jnp.float32).astype(features.dtype)
-    d_matrix = d_matrix + jnp.einsum(f"nv,ne->{letters}", d_logits, f,
+    d_matrix = d_matrix + jnp.einsum(f"...v,...e->{letters}", d_logits, f,
                                      preferred_element_type=jnp.float32)
     return (ce_sum + ce, z_sum + z, d_matrix), d_features
 
@@ -143,33 +149,47 @@ def _objective_bwd(letters, chunk, z_loss, grads, cotangent):
 chunked_objective.defvjp(_objective_fwd, _objective_bwd)
 
 
+def split_chunk_positions(loss_chunk: int, rows: int, length: int, ways: int) -> int:
+  """`chunk_positions` with the positions split `ways` ways (context parallelism): a device
+  holds 1/ways of each chunk's positions, and they must split evenly, so the chunk is a
+  multiple of `ways` that divides the length (no padding)."""
+  if ways == 1:
+    return chunk_positions(loss_chunk, rows, length)
+  wanted = max(chunk_positions(loss_chunk * ways, rows, length), ways)
+  return max(c for c in range(ways, length + 1, ways) if length % c == 0 and c <= wanted)
+
+
 def _chunk_of(model, targets) -> int:
   rows = targets.shape[0] // sharding.active_ways("batch")
-  return chunk_positions(model.cfg.loss_chunk, rows, targets.shape[1])
+  return split_chunk_positions(model.cfg.loss_chunk, rows, targets.shape[1],
+                               sharding.active_ways("length"))
 
 
-def next_token_loss(model, inputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(mean cross-entropy, mean logsumexp^2) of `targets` given `inputs` under a Llama:
-  chunked when model.cfg.loss_chunk > 0, else over full logits. For metrics (eval)."""
+def next_token_loss(model, inputs: jax.Array, targets: jax.Array,
+                    positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """(mean cross-entropy, mean logsumexp^2) of `targets` given `inputs` (at `positions`,
+  default 0..length-1) under a Llama: chunked when model.cfg.loss_chunk > 0, else over full
+  logits. For metrics (eval)."""
   if not model.cfg.loss_chunk:
-    return full_logits_loss(model(inputs), targets)
+    return full_logits_loss(model(inputs, positions), targets)
   matrix, letters = model.unembedding()
-  return chunked_losses(model.features(inputs), matrix, targets, letters,
+  return chunked_losses(model.features(inputs, positions), matrix, targets, letters,
                         _chunk_of(model, targets))
 
 
-def next_token_objective(model, inputs: jax.Array,
-                         targets: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+def next_token_objective(model, inputs: jax.Array, targets: jax.Array,
+                         positions: jax.Array | None = None
+                         ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """What an LM trains on, and the model's metrics: mean cross-entropy + model.cfg.z_loss x
   mean logsumexp^2 + the model's auxiliary loss (a mixture of experts' weighted router losses,
-  `Llama.features_and_aux`; 0 for a dense model)."""
+  `Llama.features_and_aux`; 0 for a dense model). `positions` as in `next_token_loss`."""
   z_loss = float(model.cfg.z_loss)
   if not model.cfg.loss_chunk:
-    logits, aux_loss, metrics = model.logits_and_aux(inputs)
+    logits, aux_loss, metrics = model.logits_and_aux(inputs, positions)
     ce, z = full_logits_loss(logits, targets)
     objective = ce + z_loss * z if z_loss else ce
   else:
-    features, aux_loss, metrics = model.features_and_aux(inputs)
+    features, aux_loss, metrics = model.features_and_aux(inputs, positions)
     matrix, letters = model.unembedding()
     objective = chunked_objective(features, matrix, targets, letters,
                                   _chunk_of(model, targets), z_loss)

@@ -56,11 +56,25 @@ def clip_threshold(clip_norm):
   return jnp.where(clip_norm > 0, clip_norm, jnp.inf)
 
 
+def token_order(batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """(inputs, targets, positions) of an LM batch as the model reads them: when the active
+  rules split token positions over devices (context parallelism), all three in the
+  load-balanced order of `sharding.sequence`, a permutation of whole rows that each device
+  makes on its own (the rows arrive whole); otherwise as given, positions None (0..length-1).
+  The mean loss over a permutation of (input, target) pairs is the same loss."""
+  inputs, targets = batch["inputs"], batch["targets"]
+  ways = sharding.active_ways("length")
+  if ways == 1:
+    return inputs, targets, None
+  positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+  return tuple(sharding.sequence.balance(x, ways) for x in (inputs, targets, positions))
+
+
 def cross_entropy_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> jax.Array:
   """Mean next-token cross-entropy (nats) of batch["targets"] given batch["inputs"] (over
   chunks of the vocabulary loss when the model's loss_chunk is set: `toolkit.training.losses`)."""
   model = nnx.merge(graphdef, params)
-  return losses.next_token_loss(model, batch["inputs"], batch["targets"])[0]
+  return losses.next_token_loss(model, *token_order(batch))[0]
 
 
 def lm_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> tuple[jax.Array, Metrics]:
@@ -70,7 +84,7 @@ def lm_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> tuple[jax.Array, Me
   and the model's metrics (router statistics; none for a dense model). See
   `toolkit.training.losses`."""
   model = nnx.merge(graphdef, params)
-  return losses.next_token_objective(model, batch["inputs"], batch["targets"])
+  return losses.next_token_objective(model, *token_order(batch))
 
 
 def split_microbatches(batch: Batch, count: int) -> Batch:

@@ -422,6 +422,31 @@ def test_planner_enumerates_each_preset_where_its_axes_work():
   assert all(c.analytic_bytes for c in found if c.status == "pending")
 
 
+def test_planner_tries_a_sequence_axis_for_long_sequences():
+  """From planner.SEQUENCE_FROM positions: sequence 2, 4 and 8 with fsdp_cp (fsdp filling the
+  rest); shorter sequences never get one. With 2 rows for 8 devices only the layouts that
+  split the positions pass the lint among the fsdp ones."""
+  config = lm.get_config("tiny")
+  config.data.update(seq_len=planner.SEQUENCE_FROM, global_batch_size=8)
+  found = planner.enumerate_candidates(config, _cpu_target(8), remats=("full",),
+                                       microbatches=(1,), attentions=("auto",))
+  split = {c.overrides["mesh.ici"] for c in found if c.overrides["sharding.preset"] == "fsdp_cp"}
+  assert split == {"data:4,fsdp:1,sequence:2,tensor:1", "data:2,fsdp:2,sequence:2,tensor:1",
+                   "data:1,fsdp:4,sequence:2,tensor:1", "data:2,fsdp:1,sequence:4,tensor:1",
+                   "data:1,fsdp:2,sequence:4,tensor:1", "data:1,fsdp:1,sequence:8,tensor:1"}
+  config.data.global_batch_size = 2
+  found = planner.enumerate_candidates(config, _cpu_target(8), remats=("full",),
+                                       microbatches=(1,), attentions=("auto",))
+  planner.prepare(config, found, _cpu_target(8))
+  pending = {c.overrides["mesh.ici"] for c in found if c.status == "pending"
+             and c.overrides["sharding.preset"] in ("fsdp", "fsdp_cp")}
+  assert pending == {"data:1,fsdp:2,sequence:4,tensor:1", "data:2,fsdp:1,sequence:4,tensor:1",
+                     "data:1,fsdp:1,sequence:8,tensor:1"}, pending
+  config.data.seq_len = planner.SEQUENCE_FROM // 2
+  assert not any("sequence" in c.overrides["mesh.ici"] for c in planner.enumerate_candidates(
+      config, _cpu_target(8), remats=("full",), microbatches=(1,), attentions=("auto",)))
+
+
 def test_planner_compiles_the_given_layout_first():
   config = lm.get_config("tiny")   # data:1,fsdp:-1,tensor:2 -> fsdp 4 x tensor 2, fsdp_tp
   target = _cpu_target(8)

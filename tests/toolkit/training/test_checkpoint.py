@@ -92,7 +92,8 @@ def trained_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("target_ici,target_preset,devices", [
-    ("data:2,fsdp:2,tensor:2", "fsdp_tp", 8), ("fsdp:8", "fsdp", 8), ("data:1", "dp", 1)])
+    ("data:2,fsdp:2,tensor:2", "fsdp_tp", 8), ("fsdp:8", "fsdp", 8), ("data:1", "dp", 1),
+    ("fsdp:2,sequence:4", "fsdp_cp", 8)])
 def test_restore_onto_a_different_mesh(trained_checkpoint, target_ici, target_preset, devices):
   directory, state = trained_checkpoint
   target_config = tiny_config(target_preset, target_ici)
