@@ -18,7 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models import attention as attention_lib
-from models import moe, rope
+from models import moe, pipeline, rope
 from models.linear import dense
 from models.params import normal as _param
 from models.stack import REMAT_POLICIES, RematPolicy, run_layers, scan_or_unroll
@@ -58,6 +58,7 @@ class LlamaConfig:
   compute_dtype: str = "float32"
   remat: RematPolicy = "none"  # what each layer keeps for the backward pass: models/stack.py
   scan_layers: bool = True
+  pipeline_microbatches: int = 0  # with a stage mesh axis: models/pipeline.py (0: no pipeline)
   # False: every position attends to every other (bidirectional), for encoders such as
   # models/vit.py that reuse these blocks; the LM is causal.
   causal: bool = True
@@ -130,6 +131,7 @@ class LlamaConfig:
       raise ValueError(f"{field}.z_loss={self.z_loss} must be a finite number >= 0 (0 is off)")
     rope.validate(self, field)
     moe.validate(self, field)
+    pipeline.validate(self, field)
 
   def layer_matmul_params(self, active: bool = False) -> float:
     """Matmul weights of one layer, averaged over the layers (MoE layers count all their

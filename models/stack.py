@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import sharding
 from models import attention as attention_lib
-from models import moe
+from models import moe, pipeline
 
 # What each layer keeps for the backward pass (the rest is recomputed there):
 #   none            everything
@@ -52,6 +53,8 @@ def run_layers(layers: nnx.Module, cfg, x: jax.Array,
   the MoE blocks (`moe.capture_router_stats`, stacked over layers; [] for a dense model). Shared
   by the LM and encoders such as the ViT."""
   graphdef, stacked = nnx.split(layers)
+  if sharding.active_ways("layers") > 1:  # a pipeline over the stage axes (no router stats)
+    return _pipelined(graphdef, stacked, cfg, x, positions), []
 
   def body(carry: jax.Array, layer_state):
     return moe.capture_router_stats(lambda layer, x: layer(x, positions),
@@ -60,3 +63,16 @@ def run_layers(layers: nnx.Module, cfg, x: jax.Array,
   if cfg.remat != "none":
     body = jax.checkpoint(body, policy=_POLICIES[cfg.remat])
   return scan_or_unroll(body, x, stacked, cfg.scan_layers)
+
+
+def _pipelined(graphdef, stacked, cfg, x: jax.Array, positions: jax.Array) -> jax.Array:
+  """run_layers' loop as a pipeline: each stage runs its consecutive layers as above."""
+  def stage(stage_layers, h, stage_positions):
+    def layer(carry, layer_state):
+      return nnx.merge(graphdef, layer_state)(carry, stage_positions), None
+
+    if cfg.remat != "none":
+      layer = jax.checkpoint(layer, policy=_POLICIES[cfg.remat])
+    return scan_or_unroll(layer, h, stage_layers, cfg.scan_layers)[0]
+
+  return pipeline.run(stage, stacked, x, positions, cfg.pipeline_microbatches)

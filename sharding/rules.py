@@ -69,6 +69,10 @@ PRESETS: dict[str, tuple[Table, Table]] = {
     # (so a sequence axis holds no replicated copies), the batch over data/fsdp and the token
     # positions over sequence in compute.
     "fsdp_cp": (_table(embed=("fsdp", "sequence")), _compute(batch=_BATCH)),
+    # fsdp with pipeline stages: the stacked layers stored and run split over stage (each
+    # stage holds its consecutive layers), the rest as fsdp (models/pipeline.py).
+    "fsdp_pp": (_table(embed=("fsdp",), layers=("stage",)),
+                _compute(batch=_BATCH, layers=("stage",))),
     # fsdp plus expert parallelism: experts split over `expert`, the batch also over it.
     "fsdp_ep": (_table(embed=("fsdp",), **_EXPERTS), _compute(batch=_BATCH_EP, **_EXPERTS)),
     # fsdp_tp plus expert parallelism; each expert's hidden width is split over tensor.

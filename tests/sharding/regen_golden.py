@@ -22,8 +22,8 @@ MESH = "data:1,fsdp:4,tensor:2"
 # A mixture of experts also on an expert axis, where the *_ep presets split its experts.
 MESHES = {"moe_tiny": "data:1,fsdp:2,expert:2,tensor:2"}
 # Presets for an axis MESH lacks get a mesh with it (fsdp_cp stores parameters over fsdp and
-# sequence together), for every model.
-PRESET_MESHES = {"fsdp_cp": "data:1,fsdp:2,sequence:4"}
+# sequence together; fsdp_pp the stacked layers over stage), for every model.
+PRESET_MESHES = {"fsdp_cp": "data:1,fsdp:2,sequence:4", "fsdp_pp": "data:1,stage:2,fsdp:4"}
 
 
 def golden_path(model: str, preset: str) -> pathlib.Path:

@@ -71,6 +71,14 @@ INTENDED = {
 # fsdp_cp: fsdp's table with the sequence axis beside fsdp (regen_golden's mesh has both).
 INTENDED["fsdp_cp"] = {path: spec.replace("'fsdp'", "('fsdp', 'sequence')")
                        for path, spec in INTENDED["fsdp"].items()}
+# fsdp_pp: fsdp's table with the stacked layers over stage (regen_golden's mesh has both).
+INTENDED["fsdp_pp"] = {
+    "embed": "P(None, 'fsdp')",
+    "unembed": "P('fsdp',)",
+    "layers/mlp/w_gate": "P('stage', 'fsdp')",
+    "layers/mlp/w_down": "P('stage', None, 'fsdp')",
+    "layers/attention/wo": "P('stage', None, None, 'fsdp')",
+}
 # The *_ep presets add only the experts' split: a dense model's specs are their base preset's.
 INTENDED["fsdp_ep"], INTENDED["fsdp_tp_ep"] = INTENDED["fsdp"], INTENDED["fsdp_tp"]
 # A mixture of experts' MLP: router (layers, embed, experts), w_gate (layers, experts, embed,
@@ -81,6 +89,8 @@ INTENDED_MOE_MLP = {
     "fsdp_cp": {"router": "P(None, ('fsdp', 'sequence'))",
                 "w_gate": "P(None, None, ('fsdp', 'sequence'))",
                 "w_down": "P(None, None, None, ('fsdp', 'sequence'))"},
+    "fsdp_pp": {"router": "P('stage', 'fsdp')", "w_gate": "P('stage', None, 'fsdp')",
+                "w_down": "P('stage', None, None, 'fsdp')"},
     "tp": {"router": "P()", "w_gate": "P(None, None, None, 'tensor')",
            "w_down": "P(None, None, 'tensor')"},
     "fsdp_tp": {"router": "P(None, 'fsdp')", "w_gate": "P(None, None, 'fsdp', 'tensor')",
@@ -107,7 +117,9 @@ def test_golden_matches_the_intent_of_the_preset(model, preset):
   expected = intended(model, preset) if preset != "dp" else {}
   for path, spec in golden.items():
     if path.endswith("/scale") or preset == "dp":
-      assert spec == "P()", (path, spec)  # norms and everything under dp stay replicated
+      # norms and everything under dp stay replicated; a pipeline's layers' norms per stage
+      stacked = preset.endswith("_pp") and path.startswith("layers/")
+      assert spec == ("P('stage',)" if stacked else "P()"), (path, spec)
       continue
     if path in expected:
       assert spec == expected[path], path
@@ -117,6 +129,8 @@ def test_golden_matches_the_intent_of_the_preset(model, preset):
       assert "'fsdp'" in spec, (path, spec)
     if preset.endswith("_cp"):
       assert "('fsdp', 'sequence')" in spec, (path, spec)
+    if preset.endswith("_pp") and path.startswith("layers/"):
+      assert spec.startswith("P('stage'"), (path, spec)
     if "tp" in preset and not path.endswith("/router"):
       assert "'tensor'" in spec, (path, spec)
     if preset.endswith("_ep") and path.endswith(("/router", "/w_gate", "/w_up", "/w_down")):

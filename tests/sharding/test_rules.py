@@ -74,13 +74,23 @@ EP_PRESETS = {"fsdp_ep": "fsdp", "fsdp_tp_ep": "fsdp_tp"}
 
 # Context parallelism: fsdp_cp is fsdp with parameters stored over fsdp and sequence together.
 CP_PRESETS = {"fsdp_cp": "fsdp"}
+# Pipeline stages: fsdp_pp is fsdp with the stacked layers over stage, stored and computed.
+PP_PRESETS = {"fsdp_pp": "fsdp"}
 
 
 def test_presets_are_exactly_the_documented_ones():
-  assert set(PRESETS) == set(PRESET_ORDER) | set(EP_PRESETS) | set(CP_PRESETS)
+  assert set(PRESETS) == set(PRESET_ORDER) | set(EP_PRESETS) | set(CP_PRESETS) | set(PP_PRESETS)
 
 
-@pytest.mark.parametrize("preset", [*PRESET_ORDER, *EP_PRESETS, *CP_PRESETS])
+def test_fsdp_pp_splits_the_stacked_layers_over_stage_at_rest_and_in_compute():
+  mesh = make_mesh([("stage", 4), ("fsdp", 2)])
+  rules = Rules.preset("fsdp_pp")
+  assert rules.param_spec(("layers", "embed", "mlp"), mesh) == P("stage", "fsdp")
+  assert rules.activation_spec(("layers", "batch", "length", "embed"), mesh) == P("stage", "fsdp")
+  assert Rules.preset("fsdp").activation_spec(("layers",), mesh) == P()
+
+
+@pytest.mark.parametrize("preset", [*PRESET_ORDER, *EP_PRESETS, *CP_PRESETS, *PP_PRESETS])
 def test_every_preset_splits_positions_over_sequence_and_keeps_keys_whole(preset):
   mesh = make_mesh([("fsdp", 2), ("sequence", 2), ("tensor", 2)])
   rules = Rules.preset(preset)

@@ -28,15 +28,17 @@ def restore_params(config: ml_collections.ConfigDict, checkpoint_path: str, devi
 
 def _refuse_split_cache(setup: setup_lib.Setup) -> None:
   """Decoding reads a KV cache laid out like the activations: with token positions split over
-  devices (context parallelism), every new token would gather the whole cache. Refused."""
+  devices (context parallelism) every new token would gather the whole cache, and layers
+  split into pipeline stages would run one token through every stage in turn. Refused."""
   spec = setup.spec
-  axes = spec.rules.activation_spec(("length",), spec.mesh)
-  axes = [a for e in axes if e for a in ((e,) if isinstance(e, str) else e)]
-  if setup.task.name == "lm" and any(spec.mesh.shape[a] > 1 for a in axes):
-    split = "x".join(f"{a}={spec.mesh.shape[a]}" for a in axes)
-    raise ConfigError(f"decoding with a KV cache split over {split} (context parallelism) is "
-                      f"not supported; serve the checkpoint on a mesh without the sequence axis, "
-                      f"e.g. --config.mesh.ici=fsdp:-1 (checkpoints restore onto any mesh)")
+  for logical, what in (("length", "context parallelism"), ("layers", "pipeline stages")):
+    axes = spec.rules.activation_spec((logical,), spec.mesh)
+    axes = [a for e in axes if e for a in ((e,) if isinstance(e, str) else e)]
+    if setup.task.name == "lm" and any(spec.mesh.shape[a] > 1 for a in axes):
+      split = "x".join(f"{a}={spec.mesh.shape[a]}" for a in axes)
+      raise ConfigError(f"decoding with a KV cache split over {split} ({what}) is not "
+                        f"supported; serve the checkpoint on a mesh without that axis, e.g. "
+                        f"--config.mesh.ici=fsdp:-1 (checkpoints restore onto any mesh)")
 
 
 def single_device_config(saved: dict) -> ml_collections.ConfigDict:

@@ -45,6 +45,7 @@ import time
 import ml_collections
 
 import sharding
+from models import pipeline as pipeline_lib
 from toolkit import workdir
 from toolkit.errors import ConfigError
 from toolkit.pod import collectives as collectives_lib
@@ -150,6 +151,9 @@ def compile_report(config: ml_collections.ConfigDict, target: Target, *,
       workdir.write_text(hlo_path, text)  # a local file or a gs:// object
     found = collectives_lib.parse(text, list(spec.mesh.shape.items()),
                                   _slice_ids(spec.mesh, target))
+  if shape.activation_ways("layers") > 1:
+    notes.append(_pipeline_note(found, shape.activation_ways("layers"),
+                                config.model.pipeline_microbatches, config.train.microbatches))
   summaries = collectives_lib.summarize(found)
   communication = _communication(shape, summaries)
   step_time = _step_time(flops, communication, target, compiled is not None)
@@ -159,6 +163,23 @@ def compile_report(config: ml_collections.ConfigDict, target: Target, *,
       out_of_memory=out_of_memory, analytic=analytic, flops=flops,
       collectives=[dataclasses.asdict(s) for s in summaries], communication=communication,
       step_time=step_time, notes=notes)
+
+
+def _pipeline_note(found: list[collectives_lib.Collective], stages: int, microbatches: int,
+                   accumulated: int) -> str:
+  """The pipeline's bubble: from the compiled loop's trip count (how often the activations'
+  shift between stages, a collective-permute over `stage`, runs per step, over the
+  `accumulated` training micro-batches that each run the pipeline) beside the formula."""
+  formula = pipeline_lib.bubble_fraction(stages, microbatches)
+  shifts = [c.count for c in found if c.kind == "collective-permute" and "stage" in c.axes]
+  text = (f"pipeline: {stages} stages x {microbatches} micro-batches, bubble (S-1)/(M+S-1) = "
+          f"{formula:.1%}")
+  if shifts:
+    # The shift ops inside the pipeline's loops run once per iteration; a few outside run once.
+    trips = max(shifts, key=lambda n: (shifts.count(n), n)) // accumulated
+    text += (f"; compiled: the stage shift runs {trips} times per pass, bubble "
+             f"1 - M/{trips} = {1 - microbatches / trips:.1%}")
+  return text
 
 
 def _build_for(config: ml_collections.ConfigDict, target: Target):

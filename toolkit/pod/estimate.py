@@ -206,7 +206,8 @@ def memory(shape: Shape) -> Memory:
   if shape.microbatches > 1:
     gradients += params * 4 / _BYTES[m.param_dtype]   # the float32 accumulator
   tokens = shape.tokens_per_device
-  kept = m.n_layers * _per_token_layer_bytes(shape, m.remat)
+  # A pipeline stage keeps its own layers' share, for every micro-batch (GPipe).
+  kept = m.n_layers / shape.activation_ways("layers") * _per_token_layer_bytes(shape, m.remat)
   working = _per_token_layer_bytes(shape, "none") if m.remat != "none" else 0.0
   # Under context parallelism one layer's keys and values gathered whole, and their
   # gradients before the reduce-scatter.
@@ -272,9 +273,12 @@ def executed_flops_per_device(shape: Shape) -> float:
   # path does (toolkit.training.losses): nothing to add for it.
   per_token = (m.flops_per_token(shape.seq_len) - 12 * m.n_layers * m.n_heads * hd * shape.seq_len
                + 2 * m.n_layers * recomputed + attention_flops_per_token(shape))
+  stages = shape.activation_ways("layers")
   split = (shape.activation_ways("batch") * shape.activation_ways("mlp")
-           * shape.activation_ways("length"))
-  return per_token * shape.global_batch_size * shape.seq_len / split
+           * shape.activation_ways("length") * stages)
+  # A pipeline's stages also run the bubble's slots (on zeros): (M + S - 1) / M of the work.
+  bubble = 1.0 if stages == 1 else (m.pipeline_microbatches + stages - 1) / m.pipeline_microbatches
+  return per_token * shape.global_batch_size * shape.seq_len / split * bubble
 
 
 def communication(shape: Shape) -> tuple[float, float]:
@@ -330,6 +334,15 @@ def communication(shape: Shape) -> tuple[float, float]:
   i, d = split(shape.gathered_kv_bytes, length_axes,
                (2 if m.remat == "none" else 3) * m.n_layers * micro)
   ici, dcn_bytes = ici + i, dcn_bytes + d
+  # A pipeline: each iteration shifts one micro-batch's activations to the next stage,
+  # forward and backward, M + S - 1 iterations per training micro-batch.
+  stages = shape.activation_ways("layers")
+  if stages > 1:
+    stage_axes = [x for x in shape.rules.activations.get("layers", ()) if x in mesh]
+    shifted = shape.tokens_per_device / m.pipeline_microbatches * m.d_model * a
+    i, d = split(shifted * stages / (stages - 1), stage_axes,
+                 2 * (m.pipeline_microbatches + stages - 1) * micro)
+    ici, dcn_bytes = ici + i, dcn_bytes + d
   tensor = shape.activation_ways("mlp")
   if tensor > 1:
     # Two all-reduces forward and two backward; recomputing the output projections (full,

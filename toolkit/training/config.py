@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 import sharding
 from models import KINDS, LlamaConfig
 from models import attention as attention_lib
+from models import pipeline as pipeline_lib
 from toolkit.data import text
 from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
@@ -150,6 +151,8 @@ RANGES: dict[str, Range] = {
     "model.channels": count("image channels"),
     "model.num_classes": count("classes"),
     # the vocabulary loss (toolkit/training/losses.py)
+    "model.pipeline_microbatches": count("micro-batches of a pipeline over the stage mesh "
+                                         "axis; 0 is no pipeline", low=0),
     "model.loss_chunk": count("tokens per device whose logits the loss holds at once; 0 is "
                               "one pass over full logits", low=0),
     "model.z_loss": Range(0.0, meaning="weight of mean(logsumexp^2) added to the LM's loss"),
@@ -288,6 +291,7 @@ def resolve(config: ml_collections.ConfigDict,
   if getattr(model, "n_experts", 0):
     _check_experts(model, mesh, rules, s.preset)
   _check_context_parallel(model, mesh, rules, d, task)
+  _check_pipeline(model, mesh, rules, d, config.train, s.preset)
   t = config.train
   if d.global_batch_size % t.microbatches:
     raise ConfigError(
@@ -378,6 +382,39 @@ def _check_context_parallel(model, mesh: Mesh, rules: sharding.Rules,
         f"{'x'.join(f'{a}={mesh.shape[a]}' for a in axes)}; use model.attention=auto, "
         f"{', '.join(attention_lib.SPLIT_LENGTH)} or ring, or drop the sequence axis from "
         f"mesh.ici")
+
+
+def _check_pipeline(model, mesh: Mesh, rules: sharding.Rules, data: ml_collections.ConfigDict,
+                    train: ml_collections.ConfigDict, preset: str) -> None:
+  """A stage mesh axis runs the layers as a pipeline (models/pipeline.py), or is refused."""
+  placed = {role: _mesh_axes(spec(("layers",), mesh)) for role, spec in
+            (("parameters", rules.param_spec), ("activations", rules.activation_spec))}
+  stages = math.prod(mesh.shape[a] for a in placed["activations"])
+  if mesh.shape.get("stage", 1) > 1 and (stages == 1 or placed["parameters"]
+                                         != placed["activations"]):
+    raise ConfigError(
+        f"mesh has stage={mesh.shape['stage']} but sharding.preset={preset!r} does not run the "
+        f"layers as a pipeline over it (layers split over stage, stored and computed), so "
+        f"every stage would repeat the same work; use sharding.preset=fsdp_pp")
+  if stages == 1:
+    return
+  microbatches = getattr(model, "pipeline_microbatches", 0)
+  rows = data.global_batch_size // train.microbatches
+  problem = pipeline_lib.check(getattr(model, "n_layers", 0), rows, stages, microbatches,
+                               getattr(model, "n_experts", 0))
+  if problem is None and len(_mesh_axes(rules.activation_spec(("length",), mesh))):
+    problem = ("a pipeline with the token positions split (a sequence mesh axis) is not "
+               "supported yet; drop one of the two axes")
+  if problem is not None:
+    raise ConfigError(problem)
+  batch_ways = math.prod(mesh.shape[a] for a in _mesh_axes(rules.activation_spec(("batch",),
+                                                                                  mesh)))
+  if (rows // microbatches) % batch_ways:
+    raise ConfigError(
+        f"a pipeline micro-batch of {rows // microbatches} rows (data.global_batch_size="
+        f"{data.global_batch_size} / train.microbatches / model.pipeline_microbatches="
+        f"{microbatches}) is not divisible by the {batch_ways} ways the batch is split; use a "
+        f"batch of a multiple of {batch_ways * microbatches * train.microbatches}")
 
 
 def _check_experts(model, mesh: Mesh, rules: sharding.Rules, preset: str) -> None:

@@ -92,7 +92,8 @@ def test_layouts_that_cannot_work_are_refused_in_one_line(ici, devices, fields, 
 def test_decoding_with_a_split_cache_is_refused(tmp_path):
   config = tiny_config("fsdp_cp", "fsdp:2,sequence:4")
   setup = training.build(config)
-  with pytest.raises(ConfigError, match=r"KV cache split over sequence=4 .* --config.mesh.ici="):
+  with pytest.raises(ConfigError,
+                     match=r"KV cache split over sequence=4 \(context parallelism\) .* --config.mesh.ici="):
     restore._refuse_split_cache(setup)  # pylint: disable=protected-access
   restore._refuse_split_cache(training.build(tiny_config()))  # pylint: disable=protected-access
 

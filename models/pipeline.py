@@ -1,0 +1,110 @@
+"""Pipeline parallelism (GPipe) over the stacked layers: `run` is what `models.stack.run_layers`
+does when the activation rules split `layers` over devices (a `stage` mesh axis, preset
+`fsdp_pp`) and the model config sets `pipeline_microbatches`.
+
+The L stacked layers are cut into S stages of L/S consecutive layers (stage s holds layers
+s L/S ... (s+1) L/S - 1, which is how the rules store the stacked parameters split over
+`stage`, so nothing moves), and the batch into M micro-batches (micro-batch m: rows m, m + M,
+...; each device keeps its rows). One loop of M + S - 1 iterations runs every stage at once,
+a `jax.vmap` over the stages whose vmapped axis is split over the stage devices
+(`spmd_axis_name`): at iteration t stage s works on micro-batch t - s, then the activations
+move one stage on (`jnp.roll`, a collective-permute between neighbouring stages) and
+micro-batch t + 1 enters stage 0. Slots where t - s is outside 0..M-1 are the bubble: their
+inputs are masked to zeros, so whatever the buffer holds there (NaN included) reaches neither
+values nor gradients. The bubble is (S - 1) / (M + S - 1) of the stage slots.
+
+Inside a stage the layers run as without a pipeline (scanned or unrolled, under the remat
+policy), and fsdp and tensor parallelism work as usual. The embedding and the output layer
+run outside, on the whole batch. Models name no mesh axis here either: the stage axes are
+whatever the rules give `layers`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+import sharding
+
+
+def validate(cfg, field: str = "model") -> None:
+  """Raises ValueError for a negative `pipeline_microbatches`."""
+  if cfg.pipeline_microbatches < 0:
+    raise ValueError(f"{field}.pipeline_microbatches={cfg.pipeline_microbatches} must be >= 0 "
+                     f"(0: no pipeline)")
+
+
+def check(n_layers: int, rows: int, stages: int, microbatches: int, n_experts: int = 0,
+          field: str = "model") -> str | None:
+  """Why a pipeline of `stages` stages and `microbatches` micro-batches cannot run `n_layers`
+  layers on `rows` rows per step (None if it can)."""
+  if stages <= 1:
+    return None
+  if not microbatches:
+    return (f"the layers are split over {stages} pipeline stages but "
+            f"{field}.pipeline_microbatches=0; set it to at least {stages} (the bubble is "
+            f"(stages - 1) / (micro-batches + stages - 1))")
+  if microbatches < stages:
+    return (f"{field}.pipeline_microbatches={microbatches} is below the {stages} pipeline "
+            f"stages; use at least {stages} so every stage gets work")
+  if n_layers % stages:
+    return (f"{field}.n_layers={n_layers} is not divisible by the {stages} pipeline stages; "
+            f"use a multiple of {stages} layers or another stage axis")
+  if rows % microbatches:
+    return (f"the batch of {rows} rows (per training micro-batch) is not divisible by "
+            f"{field}.pipeline_microbatches={microbatches}")
+  if n_experts:
+    return "a mixture of experts does not run in a pipeline yet; drop the stage mesh axis"
+  return None
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+  """The share of stage slots that hold no micro-batch: (S - 1) / (M + S - 1)."""
+  return (stages - 1) / (microbatches + stages - 1)
+
+
+def _split_rows(x, count: int):
+  """(B, ...) -> (count, B / count, ...), group m holding rows m, m + count, ..."""
+  return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
+
+
+def _merge_rows(x):
+  """Inverse of `_split_rows`."""
+  return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def run(stage: Callable, stacked, x: jax.Array, positions: jax.Array, microbatches: int,
+        bubble: float = 0.0) -> jax.Array:
+  """x (batch, length, embed) through the stacked layers as a pipeline (module docstring).
+
+  Args:
+    stage: `stage(layers, x, positions) -> x` running one stage's consecutive layers, the
+      parameters `layers` stacked along their leading axis.
+    stacked: the parameters of all layers, each leaf (n_layers, ...).
+    positions: (batch, length) int, moved through the pipeline with the rows.
+    bubble: what the buffer holds where no micro-batch is (tests write NaN there).
+  """
+  axes = sharding.active_axes("layers")
+  stages = sharding.active_ways("layers")
+  by_stage = jax.tree.map(lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]),
+                          stacked)
+  micro, micro_positions = _split_rows(x, microbatches), _split_rows(positions, microbatches)
+  per_stage = lambda a: sharding.constrain(a, ("layers", "batch", "length", "embed")[:a.ndim])
+  run_stages = jax.vmap(stage, spmd_axis_name=axes if len(axes) > 1 else axes[0])
+  index = jnp.arange(stages)
+
+  def iteration(carry, t):
+    out, pos = carry
+    entering = jnp.where(t < microbatches, micro[jnp.minimum(t, microbatches - 1)], bubble)
+    state = jnp.roll(out, 1, axis=0).at[0].set(entering.astype(out.dtype))
+    pos = jnp.roll(pos, 1, axis=0).at[0].set(micro_positions[jnp.minimum(t, microbatches - 1)])
+    working = (t - index >= 0) & (t - index < microbatches)
+    state = per_stage(jnp.where(working[:, None, None, None], state, 0))
+    out = per_stage(run_stages(by_stage, state, pos))
+    return (out, pos), out[-1]
+
+  out = per_stage(jnp.full((stages, *micro.shape[1:]), bubble, x.dtype))
+  pos = jnp.zeros((stages, *micro_positions.shape[1:]), positions.dtype)
+  _, last = jax.lax.scan(iteration, (out, pos), jnp.arange(microbatches + stages - 1))
+  return _merge_rows(last[stages - 1:])
