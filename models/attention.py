@@ -29,9 +29,9 @@ values gathered whole (`gathered`; auto picks between them as above), ring passe
 around instead; splash and cudnn are refused there.
 
 To add one: write `fn(q, k, v, causal) -> out` with the contract above, register it in
-IMPLEMENTATIONS (and SPLIT_LENGTH if it takes `positions=`), and give `resolve` a case if
-`auto` should pick it. The platform is the active mesh's (`sharding.active_mesh`), so compiling for a TPU
-from a CPU host resolves as on the TPU.
+IMPLEMENTATIONS (and SPLIT_LENGTH if it takes `positions=`), and give `resolve` a case if `auto`
+should pick it. The platform is the active mesh's (`sharding.active_mesh`), so compiling for a
+TPU from a CPU host resolves as on the TPU.
 """
 from __future__ import annotations
 

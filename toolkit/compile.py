@@ -110,10 +110,10 @@ def cli() -> None:
   flags.DEFINE_string("plan_out", "plan.json", "Where --plan writes the plan.")
   flags.DEFINE_integer("plan_workers", 0, "Parallel compile processes for --plan; 0 picks "
                        "from CPU cores and free memory.")
-  flags.DEFINE_list("plan_presets", "dp,fsdp,tp,fsdp_tp,fsdp_ep,fsdp_tp_ep,fsdp_cp",
+  flags.DEFINE_list("plan_presets", "dp,fsdp,tp,fsdp_tp,fsdp_ep,fsdp_tp_ep,fsdp_cp,fsdp_pp",
                     "Rules presets --plan tries (the *_ep ones on meshes with an expert axis, "
                     "for mixtures of experts; fsdp_cp on meshes with a sequence axis, from "
-                    "8192 positions).")
+                    "8192 positions; fsdp_pp across slices, a pipeline stage per slice).")
   flags.DEFINE_list("plan_remat", "none,save_dots,minimal,save_attention,full",
                     "Remat policies --plan tries.")
   flags.DEFINE_list("plan_microbatches", "1,2,4,8,16,32,64", "Micro-batch counts --plan "

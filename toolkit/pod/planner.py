@@ -6,7 +6,8 @@ policy and micro-batch count to train a config with on a target, decided by comp
      (each on the meshes where all its axes do work: dp on data only, fsdp without tensor, ...);
      for a mixture of experts also x expert (sizes dividing n_experts) with fsdp_ep and
      fsdp_tp_ep on the meshes that have one; from SEQUENCE_FROM positions also x sequence
-     (2, 4, 8) with fsdp_cp (context parallelism)
+     (2, 4, 8) with fsdp_cp (context parallelism); across slices also a pipeline, one stage
+     per slice over DCN (fsdp_pp on fsdp's meshes, S, 2S, 4S pipeline micro-batches)
      x remat none, save_dots, minimal, save_attention, full x micro-batch counts (1 to 64,
      those that divide the batch) x attention auto, xla x vocabulary loss chunked (the
      config's model.loss_chunk) or not (0);
@@ -43,11 +44,14 @@ from toolkit.pod import aot, estimate, plan as plan_lib
 from toolkit.errors import ConfigError
 from toolkit.pod.target import Target
 
-PRESETS = ("dp", "fsdp", "tp", "fsdp_tp", "fsdp_ep", "fsdp_tp_ep", "fsdp_cp")
+PRESETS = ("dp", "fsdp", "tp", "fsdp_tp", "fsdp_ep", "fsdp_tp_ep", "fsdp_cp", "fsdp_pp")
 # From this many positions per sequence the planner also tries context parallelism: a sequence
 # axis of 2, 4 or 8 with fsdp_cp (the attention then splits its queries' work over it).
 SEQUENCE_FROM = 8192
 SEQUENCES = (2, 4, 8)
+# Across slices the planner also tries a pipeline with one stage per slice (fsdp_pp, the stage
+# axis over DCN) and this many pipeline micro-batches per stage.
+PIPELINE_MICROBATCHES = (1, 2, 4)
 REMATS = ("none", "save_dots", "minimal", "save_attention", "full")
 MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 ATTENTIONS = ("auto", "xla")
@@ -140,7 +144,8 @@ def enumerate_candidates(config: ml_collections.ConfigDict, target: Target,
         # Each preset on the meshes where every axis does work: the others repeat one.
         wanted = {"dp": fsdp == 1 and tensor == 1, "fsdp": tensor == 1 and fsdp > 1,
                   "tp": fsdp == 1 and tensor > 1, "fsdp_tp": fsdp > 1 and tensor > 1,
-                  "fsdp_ep": tensor == 1, "fsdp_tp_ep": tensor > 1, "fsdp_cp": tensor == 1}
+                  "fsdp_ep": tensor == 1, "fsdp_tp_ep": tensor > 1, "fsdp_cp": tensor == 1,
+                  "fsdp_pp": False}  # fsdp_pp: _pipeline_candidates, on fsdp's meshes
         if preset.endswith("_ep") != (expert > 1) or preset.endswith("_cp") != (sequence > 1):
           continue  # the *_ep (*_cp) presets exactly on meshes with an expert (sequence) axis
         if wanted[preset] or (preset in ("fsdp", "fsdp_tp") and per_slice == 1):
@@ -167,6 +172,29 @@ def enumerate_candidates(config: ml_collections.ConfigDict, target: Target,
             full_mesh = {k: v * (target.slices if k == dcn_axis else 1)
                          for k, v in mesh.items()}
             found.append(Candidate(overrides=overrides, mesh=full_mesh))
+  if target.slices > 1 and "fsdp_pp" in presets and not n_experts:
+    found += _pipeline_candidates(meshes, target.slices, batch, remats, microbatches, variants)
+  return found
+
+
+def _pipeline_candidates(meshes, slices: int, batch: int, remats, microbatches, variants):
+  """Across slices also a pipeline: one stage per slice over DCN (fsdp_pp on fsdp's meshes
+  inside each slice), with S, 2S and 4S pipeline micro-batches (PIPELINE_MICROBATCHES)."""
+  found = []
+  for preset, mesh in meshes:
+    if preset != "fsdp":
+      continue
+    for remat in remats:
+      for micro in (m for m in microbatches if batch % m == 0):
+        pipes = [f * slices for f in PIPELINE_MICROBATCHES if (batch // micro) % (f * slices) == 0]
+        for pipe in pipes:
+          for attention, loss_chunk in variants:
+            overrides = {"mesh.ici": ",".join(f"{k}:{v}" for k, v in {"stage": 1, **mesh}.items()),
+                         "mesh.dcn": f"stage:{slices}", "sharding.preset": "fsdp_pp",
+                         "model.remat": remat, "train.microbatches": micro,
+                         "model.pipeline_microbatches": pipe, "model.attention": attention,
+                         "model.loss_chunk": loss_chunk}
+            found.append(Candidate(overrides=overrides, mesh={"stage": slices, **mesh}))
   return found
 
 

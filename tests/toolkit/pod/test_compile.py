@@ -447,6 +447,27 @@ def test_planner_tries_a_sequence_axis_for_long_sequences():
       config, _cpu_target(8), remats=("full",), microbatches=(1,), attentions=("auto",)))
 
 
+def test_planner_tries_a_pipeline_stage_per_slice_across_slices():
+  """Two slices: fsdp_pp with stage over DCN on fsdp's meshes, S, 2S, 4S pipeline
+  micro-batches; the config's validation then lints what cannot run (tiny: 2 layers)."""
+  config = lm.get_config("tiny")
+  target = _cpu_target(4, slices=2)
+  found = planner.enumerate_candidates(config, target, remats=("none",), microbatches=(1,),
+                                       attentions=("auto",), loss_chunks=(0,))
+  pipelined = [c for c in found if c.overrides["sharding.preset"] == "fsdp_pp"]
+  assert {c.overrides["mesh.dcn"] for c in pipelined} == {"stage:2"}
+  assert {c.overrides["model.pipeline_microbatches"] for c in pipelined} == {2, 4, 8}
+  assert {c.overrides["mesh.ici"] for c in pipelined} == {
+      "stage:1,data:2,fsdp:2,tensor:1", "stage:1,data:1,fsdp:4,tensor:1"}
+  assert all(c.mesh["stage"] == 2 for c in pipelined)
+  planner.prepare(config, found, target)
+  assert all(c.status in ("pending", "lint", "pruned") for c in pipelined)
+  assert any(c.status == "pending" for c in pipelined)
+  one_slice = planner.enumerate_candidates(config, _cpu_target(8), remats=("none",),
+                                           microbatches=(1,))
+  assert not any(c.overrides["sharding.preset"] == "fsdp_pp" for c in one_slice)
+
+
 def test_planner_compiles_the_given_layout_first():
   config = lm.get_config("tiny")   # data:1,fsdp:-1,tensor:2 -> fsdp 4 x tensor 2, fsdp_tp
   target = _cpu_target(8)

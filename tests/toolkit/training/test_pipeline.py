@@ -134,7 +134,8 @@ def test_a_pipelined_checkpoint_restores_onto_plain_fsdp_with_the_same_logits(tm
 
 
 @pytest.mark.parametrize("ici,preset,fields,message", [
-    ("stage:2,fsdp:4", "fsdp", {}, r"mesh has stage=2 but sharding.preset='fsdp' .* sharding.preset=fsdp_pp"),
+    ("stage:2,fsdp:4", "fsdp", {},
+     r"mesh has stage=2 but sharding.preset='fsdp' .* sharding.preset=fsdp_pp"),
     ("stage:2,fsdp:4", "fsdp_pp", {"pipeline_microbatches": 0},
      r"pipeline_microbatches=0; set it to at least 2"),
     ("stage:4,fsdp:2", "fsdp_pp", {"pipeline_microbatches": 2},
