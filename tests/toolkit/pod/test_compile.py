@@ -33,7 +33,7 @@ from experiments import lm
 from toolkit.pod import collectives, plan as plan_lib
 from toolkit.pod import aot as compile_lib
 from toolkit.pod import report as report_lib
-from toolkit.pod import planner, target as target_lib
+from toolkit.pod import candidates, planner, target as target_lib
 from toolkit import training as train
 from toolkit.errors import ConfigError
 
@@ -423,11 +423,11 @@ def test_planner_enumerates_each_preset_where_its_axes_work():
 
 
 def test_planner_tries_a_sequence_axis_for_long_sequences():
-  """From planner.SEQUENCE_FROM positions: sequence 2, 4 and 8 with fsdp_cp (fsdp filling the
+  """From candidates.SEQUENCE_FROM positions: sequence 2, 4 and 8 with fsdp_cp (fsdp filling the
   rest); shorter sequences never get one. With 2 rows for 8 devices only the layouts that
   split the positions pass the lint among the fsdp ones."""
   config = lm.get_config("tiny")
-  config.data.update(seq_len=planner.SEQUENCE_FROM, global_batch_size=8)
+  config.data.update(seq_len=candidates.SEQUENCE_FROM, global_batch_size=8)
   found = planner.enumerate_candidates(config, _cpu_target(8), remats=("full",),
                                        microbatches=(1,), attentions=("auto",))
   split = {c.overrides["mesh.ici"] for c in found if c.overrides["sharding.preset"] == "fsdp_cp"}
@@ -442,7 +442,7 @@ def test_planner_tries_a_sequence_axis_for_long_sequences():
              and c.overrides["sharding.preset"] in ("fsdp", "fsdp_cp")}
   assert pending == {"data:1,fsdp:2,sequence:4,tensor:1", "data:2,fsdp:1,sequence:4,tensor:1",
                      "data:1,fsdp:1,sequence:8,tensor:1"}, pending
-  config.data.seq_len = planner.SEQUENCE_FROM // 2
+  config.data.seq_len = candidates.SEQUENCE_FROM // 2
   assert not any("sequence" in c.overrides["mesh.ici"] for c in planner.enumerate_candidates(
       config, _cpu_target(8), remats=("full",), microbatches=(1,), attentions=("auto",)))
 
