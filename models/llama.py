@@ -59,6 +59,7 @@ class LlamaConfig:
   remat: RematPolicy = "none"  # what each layer keeps for the backward pass: models/stack.py
   scan_layers: bool = True
   pipeline_microbatches: int = 0  # with a stage mesh axis: models/pipeline.py (0: no pipeline)
+  pipeline_repeats: int = 1  # rounds of the circular schedule (1: GPipe)
   # False: every position attends to every other (bidirectional), for encoders such as
   # models/vit.py that reuse these blocks; the LM is causal.
   causal: bool = True

@@ -75,4 +75,5 @@ def _pipelined(graphdef, stacked, cfg, x: jax.Array, positions: jax.Array) -> ja
       layer = jax.checkpoint(layer, policy=_POLICIES[cfg.remat])
     return scan_or_unroll(layer, h, stage_layers, cfg.scan_layers)[0]
 
-  return pipeline.run(stage, stacked, x, positions, cfg.pipeline_microbatches)
+  return pipeline.run(stage, stacked, x, positions, cfg.pipeline_microbatches,
+                      cfg.pipeline_repeats)

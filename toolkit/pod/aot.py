@@ -153,7 +153,8 @@ def compile_report(config: ml_collections.ConfigDict, target: Target, *,
                                   _slice_ids(spec.mesh, target))
   if shape.activation_ways("layers") > 1:
     notes.append(_pipeline_note(found, shape.activation_ways("layers"),
-                                config.model.pipeline_microbatches, config.train.microbatches))
+                                config.model.pipeline_microbatches, config.train.microbatches,
+                                config.model.get("pipeline_repeats", 1)))
   summaries = collectives_lib.summarize(found)
   communication = _communication(shape, summaries)
   step_time = _step_time(flops, communication, target, compiled is not None)
@@ -166,19 +167,21 @@ def compile_report(config: ml_collections.ConfigDict, target: Target, *,
 
 
 def _pipeline_note(found: list[collectives_lib.Collective], stages: int, microbatches: int,
-                   accumulated: int) -> str:
+                   accumulated: int, repeats: int = 1) -> str:
   """The pipeline's bubble: from the compiled loop's trip count (how often the activations'
   shift between stages, a collective-permute over `stage`, runs per step, over the
   `accumulated` training micro-batches that each run the pipeline) beside the formula."""
-  formula = pipeline_lib.bubble_fraction(stages, microbatches)
+  formula = pipeline_lib.bubble_fraction(stages, microbatches, repeats)
   shifts = [c.count for c in found if c.kind == "collective-permute" and "stage" in c.axes]
-  text = (f"pipeline: {stages} stages x {microbatches} micro-batches, bubble (S-1)/(M+S-1) = "
-          f"{formula:.1%}")
+  work = repeats * microbatches
+  rounds = f" x {repeats} rounds" if repeats > 1 else ""
+  text = (f"pipeline: {stages} stages x {microbatches} micro-batches{rounds}, bubble "
+          f"(S-1)/({'R' if repeats > 1 else ''}M+S-1) = {formula:.1%}")
   if shifts:
     # The shift ops inside the pipeline's loops run once per iteration; a few outside run once.
     trips = max(shifts, key=lambda n: (shifts.count(n), n)) // accumulated
     text += (f"; compiled: the stage shift runs {trips} times per pass, bubble "
-             f"1 - M/{trips} = {1 - microbatches / trips:.1%}")
+             f"1 - {work}/{trips} = {1 - work / trips:.1%}")
   return text
 
 

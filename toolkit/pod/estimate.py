@@ -277,7 +277,8 @@ def executed_flops_per_device(shape: Shape) -> float:
   split = (shape.activation_ways("batch") * shape.activation_ways("mlp")
            * shape.activation_ways("length") * stages)
   # A pipeline's stages also run the bubble's slots (on zeros): (M + S - 1) / M of the work.
-  bubble = 1.0 if stages == 1 else (m.pipeline_microbatches + stages - 1) / m.pipeline_microbatches
+  work = m.pipeline_microbatches * m.pipeline_repeats
+  bubble = 1.0 if stages == 1 else (work + stages - 1) / work
   return per_token * shape.global_batch_size * shape.seq_len / split * bubble
 
 
@@ -341,7 +342,7 @@ def communication(shape: Shape) -> tuple[float, float]:
     stage_axes = [x for x in shape.rules.activations.get("layers", ()) if x in mesh]
     shifted = shape.tokens_per_device / m.pipeline_microbatches * m.d_model * a
     i, d = split(shifted * stages / (stages - 1), stage_axes,
-                 2 * (m.pipeline_microbatches + stages - 1) * micro)
+                 2 * (m.pipeline_microbatches * m.pipeline_repeats + stages - 1) * micro)
     ici, dcn_bytes = ici + i, dcn_bytes + d
   tensor = shape.activation_ways("mlp")
   if tensor > 1:

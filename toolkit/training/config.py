@@ -153,6 +153,7 @@ RANGES: dict[str, Range] = {
     # the vocabulary loss (toolkit/training/losses.py)
     "model.pipeline_microbatches": count("micro-batches of a pipeline over the stage mesh "
                                          "axis; 0 is no pipeline", low=0),
+    "model.pipeline_repeats": count("rounds of the circular pipeline schedule; 1 is GPipe"),
     "model.loss_chunk": count("tokens per device whose logits the loss holds at once; 0 is "
                               "one pass over full logits", low=0),
     "model.z_loss": Range(0.0, meaning="weight of mean(logsumexp^2) added to the LM's loss"),
@@ -401,7 +402,8 @@ def _check_pipeline(model, mesh: Mesh, rules: sharding.Rules, data: ml_collectio
   microbatches = getattr(model, "pipeline_microbatches", 0)
   rows = data.global_batch_size // train.microbatches
   problem = pipeline_lib.check(getattr(model, "n_layers", 0), rows, stages, microbatches,
-                               getattr(model, "n_experts", 0))
+                               getattr(model, "n_experts", 0),
+                               getattr(model, "pipeline_repeats", 1))
   if problem is None and len(_mesh_axes(rules.activation_spec(("length",), mesh))):
     problem = ("a pipeline with the token positions split (a sequence mesh axis) is not "
                "supported yet; drop one of the two axes")

@@ -22,10 +22,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 LAYERS = 8
 
 
-def _config(ici: str = "fsdp:1", preset: str = "fsdp", microbatches: int = 0):
+def _config(ici: str = "fsdp:1", preset: str = "fsdp", microbatches: int = 0,
+            repeats: int = 1):
   config = tiny_config(preset, ici, steps=4)
   config.model.n_layers = LAYERS
   config.model.pipeline_microbatches = microbatches
+  config.model.pipeline_repeats = repeats
   return config
 
 
@@ -53,20 +55,23 @@ def sequential():
   return _loss_and_grads(_config(), jax.devices()[:1])
 
 
-@pytest.mark.parametrize("ici,microbatches", [
-    ("stage:4,fsdp:2", 4), ("stage:4,fsdp:2", 8), ("stage:8", 8)])
-def test_loss_and_every_gradient_equal_the_sequential_run(sequential, ici, microbatches):
-  loss, grads = _loss_and_grads(_config(ici, "fsdp_pp", microbatches))
+@pytest.mark.parametrize("ici,microbatches,repeats", [
+    ("stage:4,fsdp:2", 4, 1), pytest.param("stage:4,fsdp:2", 8, 1, marks=pytest.mark.slow),
+    ("stage:8", 8, 1), ("stage:4,fsdp:2", 4, 2)])  # the last: circular, 2 rounds
+def test_loss_and_every_gradient_equal_the_sequential_run(sequential, ici, microbatches,
+                                                          repeats):
+  loss, grads = _loss_and_grads(_config(ici, "fsdp_pp", microbatches, repeats))
   np.testing.assert_allclose(loss, sequential[0], **TOLERANCE)
   assert_trees_close(grads, sequential[1], **TOLERANCE)
 
 
-def test_nan_in_the_bubble_reaches_neither_values_nor_gradients(sequential, monkeypatch):
-  """The pipeline's buffer starts as NaN and NaN micro-batches enter after the last real one:
-  the masked slots keep it out (4 stages x 4 micro-batches: 3 of 7 iterations per stage are
-  bubble)."""
-  loss, grads = _loss_and_grads(_config("stage:4,fsdp:2", "fsdp_pp", 4), bubble=float("nan"),
-                                monkeypatch=monkeypatch)
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_nan_in_the_bubble_reaches_neither_values_nor_gradients(sequential, monkeypatch,
+                                                                repeats):
+  """The pipeline's buffers start as NaN: the masked slots keep it out (4 stages x 4
+  micro-batches: 3 of 7 iterations per stage are bubble; circular, 3 of 11)."""
+  loss, grads = _loss_and_grads(_config("stage:4,fsdp:2", "fsdp_pp", 4, repeats),
+                                bubble=float("nan"), monkeypatch=monkeypatch)
   assert np.isfinite(loss) and all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
   np.testing.assert_allclose(loss, sequential[0], **TOLERANCE)
   assert_trees_close(grads, sequential[1], **TOLERANCE)
@@ -146,6 +151,8 @@ def test_a_pipelined_checkpoint_restores_onto_plain_fsdp_with_the_same_logits(tm
      r"batch of 16 rows .* not divisible by model.pipeline_microbatches=3"),
     ("stage:2,fsdp:4", "fsdp_pp", {"pipeline_microbatches": 8},
      r"pipeline micro-batch of 2 rows .* not divisible by the 4 ways"),
+    ("stage:4,fsdp:2", "fsdp_pp", {"pipeline_microbatches": 4, "pipeline_repeats": 3},
+     r"n_layers=8 is not divisible by the 4 pipeline stages x model.pipeline_repeats=3"),
 ])
 def test_layouts_that_cannot_run_are_refused_in_one_line(ici, preset, fields, message):
   config = _config(ici, preset, 4)
@@ -162,7 +169,7 @@ def test_the_compile_report_measures_the_bubble_from_the_loop():
   report = aot.compile_report(config, target_lib.target_for("cpu:8"))
   [note] = [n for n in report.notes if n.startswith("pipeline")]
   assert "bubble (S-1)/(M+S-1) = 27.3%" in note and "runs 11 times" in note, note
-  assert "bubble 1 - M/11 = 27.3%" in note
+  assert "bubble 1 - 8/11 = 27.3%" in note
 
 
 def _train(workdir, steps):
@@ -198,8 +205,19 @@ def test_resume_with_pipeline_stages_is_bitwise(tmp_path):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow  # a second compile of the pipelined step; the GPipe one runs by default
+def test_the_compile_report_measures_the_circular_bubble():
+  """R = 2 rounds: R M + S - 1 = 11 iterations for 4 stages x 4 micro-batches, 3/11 idle."""
+  config = _config("stage:4,fsdp:2", "fsdp_pp", 4, repeats=2)
+  report = aot.compile_report(config, target_lib.target_for("cpu:8"))
+  [note] = [n for n in report.notes if n.startswith("pipeline")]
+  assert "x 2 rounds, bubble (S-1)/(RM+S-1) = 27.3%" in note, note
+  assert "runs 11 times per pass, bubble 1 - 8/11 = 27.3%" in note, note
+
+
 def test_bubble_fraction_formula():
   assert pipeline.bubble_fraction(4, 8) == pytest.approx(3 / 11)
+  assert pipeline.bubble_fraction(4, 4, repeats=2) == pytest.approx(3 / 11)
   assert pipeline.bubble_fraction(1, 8) == 0.0
   with pytest.raises(ValueError, match="pipeline_microbatches=-1 must be >= 0"):
     from models import LlamaConfig  # pylint: disable=g-import-not-at-top
