@@ -1,5 +1,4 @@
 """Checkpoints: exact resume in a new process, restore onto another mesh, refusal of others."""
-import json
 import os
 import subprocess
 import sys
@@ -8,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.tiny_runs import tiny_config
+from tests.tiny_runs import tiny_config, train_losses
 from toolkit.training import checkpoint, resume, state as state_lib, step as step_lib
 from toolkit import training
 from toolkit.errors import ConfigError
@@ -25,12 +24,6 @@ def _train_cli(workdir, *overrides, timeout=240):
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc.stdout
-
-
-def _train_losses(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    records = [json.loads(line) for line in f]
-  return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
 def _restore(workdir, step, config=None, devices=None):
@@ -51,7 +44,7 @@ def test_resume_in_a_new_process_is_bitwise_identical(tmp_path):
   # keep_checkpoints=2 keeps the last two.
   assert sorted(os.listdir(os.path.join(straight, "checkpoints"))) == ["10", "8"]
 
-  assert _train_losses(interrupted) == _train_losses(straight)  # bitwise: floats compared ==
+  assert train_losses(interrupted) == train_losses(straight)  # bitwise: floats compared ==
   a, data_a, _ = _restore(straight, 10)
   b, data_b, _ = _restore(interrupted, 10)
   assert data_a == data_b == {"step": 10, "seed": 0, "source": "stdlib_docs"}

@@ -1,9 +1,6 @@
 """Training with token positions split over a `sequence` mesh axis (context parallelism):
 equal to one device, what the compiled step gathers, and the layouts refused in one line."""
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -11,13 +8,12 @@ import pytest
 
 import sharding
 from models import attention
-from tests.tiny_runs import TOLERANCE, assert_trees_close, tiny_config, train_steps
+from tests.tiny_runs import (TOLERANCE, assert_resume_is_bitwise, assert_trees_close,
+                              tiny_config, train_steps)
 from toolkit import training
 from toolkit.errors import ConfigError
 from toolkit.inference import restore
 from toolkit.training import step as step_lib
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 @pytest.fixture(scope="module")
@@ -98,31 +94,10 @@ def test_decoding_with_a_split_cache_is_refused(tmp_path):
   restore._refuse_split_cache(training.build(tiny_config()))  # pylint: disable=protected-access
 
 
-def _train(workdir, steps):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "JAX_PLATFORMS": "cpu"}
-  cmd = [sys.executable, "-m", "toolkit.train", "--config=experiments/lm.py:tiny",
-         f"--workdir={workdir}", "--config.mesh.ici=fsdp:2,sequence:4",
-         "--config.sharding.preset=fsdp_cp", "--config.optimizer.schedule_steps=6",
-         "--config.train.checkpoint_every=2", f"--config.train.steps={steps}"]
-  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  return proc.stdout
-
-
 @pytest.mark.slow  # three training processes, ~60 s
 def test_resume_with_positions_split_is_bitwise(tmp_path):
-  from tests.toolkit.training.test_checkpoint import _restore, _train_losses  # pylint: disable=g-import-not-at-top
-  straight, interrupted = str(tmp_path / "straight"), str(tmp_path / "interrupted")
-  _train(straight, 6)
-  _train(interrupted, 4)
-  assert "restored step 4" in _train(interrupted, 6)
-  assert _train_losses(interrupted) == _train_losses(straight)
-  config = tiny_config("fsdp_cp", "fsdp:2,sequence:4")
-  a, _, _ = _restore(straight, 6, config)
-  b, _, _ = _restore(interrupted, 6, config)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert_resume_is_bitwise(tmp_path, tiny_config("fsdp_cp", "fsdp:2,sequence:4"),
+                           "mesh.ici=fsdp:2,sequence:4", "sharding.preset=fsdp_cp")
 
 
 def _temporaries(ici: str, preset: str, devices: int, attention_name: str = "auto") -> int:

@@ -1,9 +1,6 @@
 """Pipeline parallelism (GPipe over a `stage` mesh axis, models/pipeline.py): the loss and every
 gradient equal the sequential run, the bubble leaks nothing, parameters sit at 1/S per stage,
 checkpoints move to a mesh without stages, and each impossible layout is one error line."""
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -12,13 +9,12 @@ from flax import nnx
 
 import sharding
 from models import pipeline
-from tests.tiny_runs import TOLERANCE, assert_trees_close, tiny_config
+from tests.tiny_runs import TOLERANCE, assert_resume_is_bitwise, assert_trees_close, tiny_config
 from toolkit import training
 from toolkit.errors import ConfigError
 from toolkit.pod import aot, target as target_lib
 from toolkit.training import checkpoint, state as state_lib, step as step_lib
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 LAYERS = 8
 
 
@@ -172,37 +168,12 @@ def test_the_compile_report_measures_the_bubble_from_the_loop():
   assert "bubble 1 - 8/11 = 27.3%" in note
 
 
-def _train(workdir, steps):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "JAX_PLATFORMS": "cpu"}
-  cmd = [sys.executable, "-m", "toolkit.train", "--config=experiments/lm.py:tiny",
-         f"--workdir={workdir}", "--config.mesh.ici=stage:2,fsdp:4",
-         "--config.sharding.preset=fsdp_pp", "--config.model.pipeline_microbatches=4",
-         "--config.optimizer.schedule_steps=6", "--config.train.checkpoint_every=2",
-         f"--config.train.steps={steps}"]
-  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  return proc.stdout
-
-
 @pytest.mark.slow  # three training processes, ~60 s
 def test_resume_with_pipeline_stages_is_bitwise(tmp_path):
-  from tests.toolkit.training.test_checkpoint import _train_losses  # pylint: disable=g-import-not-at-top
-  straight, interrupted = str(tmp_path / "straight"), str(tmp_path / "interrupted")
-  _train(straight, 6)
-  _train(interrupted, 4)
-  assert "restored step 4" in _train(interrupted, 6)
-  assert _train_losses(interrupted) == _train_losses(straight)
   config = tiny_config("fsdp_pp", "stage:2,fsdp:4")
   config.model.pipeline_microbatches = 4
-  states = []
-  for workdir in (straight, interrupted):
-    setup = training.build(config)
-    manager = checkpoint.Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True)
-    states.append(manager.restore(6, setup.layout.abstract)[0])
-    manager.close()
-  for x, y in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1])):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert_resume_is_bitwise(tmp_path, config, "mesh.ici=stage:2,fsdp:4",
+                           "sharding.preset=fsdp_pp", "model.pipeline_microbatches=4")
 
 
 @pytest.mark.slow  # a second compile of the pipelined step; the GPipe one runs by default
