@@ -120,10 +120,6 @@ KNOWN_NOISE = {
         r"^W\d{4} .*spmd_partitioner\.cc.*\[SPMD\] Involuntary full rematerialization",
         "XLA warns while compiling the mixture-of-experts step (a stacked weight resharded "
         "from the layers axis to fsdp by full replication): open for models/moe.py"),
-    r"scripts/bench_pipeline\.py": (
-        r"resource_tracker",
-        "Grain's worker processes leave shared memory to Python's resource tracker when the "
-        "benchmark exits right after closing its iterator: open for toolkit/data"),
 }
 TEXT = ("The quick brown fox jumps over the lazy dog. A list is a sequence of items; "
         "a dictionary maps keys to values. ") * 300

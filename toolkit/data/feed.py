@@ -35,11 +35,15 @@ def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> np.nda
 
 class BatchIterator:
   """Global batches in step order: `produce() -> (step, host rows, position after it)`, `depth`
-  of them prepared ahead in a background thread (0: on demand), then `place(host rows)`."""
+  of them prepared ahead in a background thread (0: on demand), then `place(host rows)`.
+  `close()` stops that thread, then calls `release()`: what the source holds (Grain's worker
+  processes)."""
 
   def __init__(self, produce: Callable[[], tuple[int, object, Position]],
-               place: Callable[[object], Batch], start_step: int, depth: int):
+               place: Callable[[object], Batch], start_step: int, depth: int,
+               release: Callable[[], None] | None = None):
     self._produce, self._place, self._next_step = produce, place, start_step
+    self._release = release
     self._position: Position = {"step": start_step}
     self._stop = threading.Event()
     self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
@@ -97,3 +101,6 @@ class BatchIterator:
         except queue.Empty:
           pass
       self._thread.join()
+    if self._release is not None:
+      self._release()
+      self._release = None

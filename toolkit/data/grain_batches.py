@@ -76,6 +76,15 @@ class ImagesToModel(grain.transforms.Map):
             "weights": element.get("weight", np.ones(labels.shape, np.float32))}
 
 
+def _close_loader(loader_iter: grain.DataLoaderIterator) -> None:
+  """Stops and joins the Grain worker processes, unlinking the shared memory of the batches
+  they had prepared. Grain's DataLoaderIterator has no close() of its own (grain 0.2.18); the
+  pipeline iterator it wraps does, and otherwise runs only at garbage collection or exit."""
+  pipeline = getattr(loader_iter, "_iterator", None)
+  if pipeline is not None and hasattr(pipeline, "close"):
+    pipeline.close()
+
+
 def order_seed(seed: int, salt: int) -> int:
   return int(np.random.SeedSequence([seed, salt]).generate_state(1)[0])
 
@@ -99,6 +108,12 @@ class GrainBatches:
         for key, (shape, _) in row_specs.items()}
     self.shapes = {key: (global_batch_size, *shape) for key, (shape, _) in row_specs.items()}
     self.dtypes = {key: np.dtype(dtype) for key, (_, dtype) in row_specs.items()}
+    # On the CPU backend a jax.Array may alias the host array it is made from (no copy), so a
+    # batch made straight from Grain's shared-memory rows would keep the segment alive as long
+    # as the batch, and past a closed iterator into the resource tracker's "leaked
+    # shared_memory objects" at exit. There the rows are copied out first (cheap next to the
+    # step); an accelerator copies them to its memory anyway.
+    self.copy_rows = mesh.devices.flat[0].platform == "cpu"
     first = next(iter(self.shapes))
     self.rows = local_rows(self.shardings[first], self.shapes[first])
     self.examples = grain.MapDataset.source(train_source).shuffle(
@@ -123,8 +138,9 @@ class GrainBatches:
                                       sharding=self.shardings[key]) for key in self.shapes}
 
   def _place(self, element: dict) -> Batch:
+    host = np.array if self.copy_rows else np.asarray
     make = lambda key: jax.make_array_from_process_local_data(
-        self.shardings[key], np.asarray(element[key], self.dtypes[key]), self.shapes[key])
+        self.shardings[key], host(element[key], self.dtypes[key]), self.shapes[key])
     with jax.transfer_guard_host_to_device("allow"):  # deliberate, as in text.Batches
       return {key: make(key) for key in self.shapes}
 
@@ -171,7 +187,8 @@ class GrainBatches:
       state = {"offset": offset, "worker_count": self.worker_count,
                "state": loader_iter.get_state().decode()}
       return step, element, {"step": step + 1, "grain": state}
-    return BatchIterator(produce, self._place, start_step, depth=0)  # Grain prefetches
+    return BatchIterator(produce, self._place, start_step, depth=0,  # Grain prefetches
+                         release=lambda: _close_loader(loader_iter))
 
   def local_eval_batch(self, index: int) -> dict[str, np.ndarray]:
     if index in self._eval_cache:
