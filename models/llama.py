@@ -425,13 +425,13 @@ class Llama(nnx.Module):
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
     table = self.embed[...]
-    if sharding.active_ways("length") > 1:
-      # Positions split too: gathering rows straight from the stored layout into the
-      # activations' is a reshard XLA's SPMD partitioner does by replicating the rows
-      # ("involuntary full rematerialization"); so the table goes to its compute layout
-      # first. (Not with the length whole: there the same constraint made two-process CPU
-      # runs time out in Gloo's all-gather, tests/toolkit/pod/test_multiprocess.py.)
-      table = constrain(table, ("vocab", "embed"))
+    # XLA's partitioner moves the batch split of the rows, or of their gradient, onto the
+    # table's embed split only by replicating them ("involuntary full rematerialization").
+    if sharding.active_ways("length") > 1:  # the forward gather would: compute layout first
+      table = constrain(table, ("vocab", "embed"))  # (with the length whole this timed out
+      # two-process CPU runs in Gloo's all-gather, tests/toolkit/pod/test_multiprocess.py)
+    else:  # the backward's scatter-add weighs (then drops) such a reshard: name the layout
+      table = sharding.constrain_grad(table, ("vocab", "embed"))  # it picks, forward as is
     x = jnp.take(table, tokens, axis=0).astype(self.cfg.compute_dtype)
     return constrain(x, ("batch", "length", "embed"))
 

@@ -8,12 +8,13 @@ from sharding import sequence
 from sharding.axes import LOGICAL_AXES
 from sharding.errors import ShardingError
 from sharding.mesh import MESH_AXES, make_mesh, parse_axis_sizes
-from sharding.rules import PRESETS, Rules, activation_rules, constrain
+from sharding.rules import (PRESETS, Rules, activation_rules, constrain,
+                            constrain_grad)
 from sharding.report import ShardingReport, sharding_report
 from sharding.per_device import active_axes, active_mesh, active_ways, shard_map
 
 __all__ = [
     "LOGICAL_AXES", "MESH_AXES", "PRESETS", "Rules", "ShardingError", "ShardingReport",
-    "activation_rules", "active_axes", "active_mesh", "active_ways", "constrain", "make_mesh",
-    "parse_axis_sizes", "sequence", "shard_map", "sharding_report",
+    "activation_rules", "active_axes", "active_mesh", "active_ways", "constrain",
+    "constrain_grad", "make_mesh", "parse_axis_sizes", "sequence", "shard_map", "sharding_report",
 ]

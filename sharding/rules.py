@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -216,3 +217,31 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   rules, mesh = active
   spec = rules.activation_spec(logical_axes, mesh, x.shape)
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def constrain_grad(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """`x` unchanged, its gradient constrained by logical axes as `constrain` would (a no-op
+  outside `activation_rules`): lays out a gradient that XLA would otherwise lay out from the
+  forward's operands, without touching the forward pass."""
+  active = _ACTIVE.value
+  if active is None:
+    return x
+  rules, mesh = active
+  return _grad_constrained(x, NamedSharding(mesh, rules.activation_spec(logical_axes, mesh,
+                                                                        x.shape)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _grad_constrained(x: jax.Array, _: NamedSharding) -> jax.Array:
+  return x
+
+
+def _grad_constrained_fwd(x: jax.Array, _: NamedSharding):
+  return x, None
+
+
+def _grad_constrained_bwd(grad_sharding: NamedSharding, _, g: jax.Array):
+  return (jax.lax.with_sharding_constraint(g, grad_sharding),)
+
+
+_grad_constrained.defvjp(_grad_constrained_fwd, _grad_constrained_bwd)
