@@ -115,12 +115,7 @@ PRODUCERS = {
 }
 # pattern of a command -> (pattern of an output line it may print, why). Reviewed: each one an
 # open problem of the code, not of the docs.
-KNOWN_NOISE = {
-    r"experiments/moe\.py|scripts/bench_moe\.py": (
-        r"^W\d{4} .*spmd_partitioner\.cc.*\[SPMD\] Involuntary full rematerialization",
-        "XLA warns while compiling the mixture-of-experts step (a stacked weight resharded "
-        "from the layers axis to fsdp by full replication): open for models/moe.py"),
-}
+KNOWN_NOISE: dict[str, tuple[str, str]] = {}
 TEXT = ("The quick brown fox jumps over the lazy dog. A list is a sequence of items; "
         "a dictionary maps keys to values. ") * 300
 

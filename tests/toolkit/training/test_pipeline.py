@@ -119,6 +119,7 @@ def _logits(setup, params, tokens):
   return np.asarray(forward(params, tokens))
 
 
+@pytest.mark.slow  # two meshes' compiles and a checkpoint, ~20 s
 def test_a_pipelined_checkpoint_restores_onto_plain_fsdp_with_the_same_logits(tmp_path):
   source, state = _write_pipelined_checkpoint(tmp_path / "checkpoints")
   target = training.build(_config("fsdp:8", "fsdp"))

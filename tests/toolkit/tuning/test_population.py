@@ -32,6 +32,7 @@ def _configs(trials=TRIALS, ici="fsdp:-1,tensor:2"):
   return [search.apply(base, t) for t in trials]
 
 
+@pytest.mark.slow  # a population and each of its trials trained alone, ~30 s
 def test_population_equals_separate_runs():
   configs = _configs()
   pop = population.build(configs)
