@@ -28,8 +28,7 @@ demo: $(VENV)/.installed
 	  $(BIN)/python -m toolkit.train --config=experiments/lm.py:cpu --workdir=$(DEMO_DIR)
 
 # The default suite: everything but tests marked slow (~15 minutes on 2 quiet cores, see
-# docs/testing.md; pytest
-# lists the slowest 15 at the end).
+# docs/testing.md; pytest lists the slowest 15 at the end).
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -m "not slow" --durations=15 $(PYTEST_ARGS)
 
