@@ -430,9 +430,10 @@ class Llama(nnx.Module):
     if sharding.active_ways("length") > 1:  # the forward gather would: compute layout first
       table = constrain(table, ("vocab", "embed"))  # (with the length whole this timed out
       # two-process CPU runs in Gloo's all-gather, tests/toolkit/pod/test_multiprocess.py)
-    else:  # the backward's scatter-add weighs (then drops) such a reshard: name the layout
-      table = sharding.constrain_grad(table, ("vocab", "embed"))  # it picks, forward as is
-    x = jnp.take(table, tokens, axis=0).astype(self.cfg.compute_dtype)
+      x = jnp.take(table, tokens, axis=0)
+    else:  # the backward's scatter-add would weigh (then drop) such a reshard: per device
+      x = sharding.take_rows(table, tokens)  # where the layouts allow, else layout named
+    x = x.astype(self.cfg.compute_dtype)
     return constrain(x, ("batch", "length", "embed"))
 
   def _logits(self, features: jax.Array) -> jax.Array:

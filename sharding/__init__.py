@@ -11,10 +11,11 @@ from sharding.mesh import MESH_AXES, make_mesh, parse_axis_sizes
 from sharding.rules import (PRESETS, Rules, activation_rules, constrain,
                             constrain_grad)
 from sharding.report import ShardingReport, sharding_report
-from sharding.per_device import active_axes, active_mesh, active_ways, shard_map
+from sharding.per_device import active_axes, active_mesh, active_ways, shard_map, take_rows
 
 __all__ = [
     "LOGICAL_AXES", "MESH_AXES", "PRESETS", "Rules", "ShardingError", "ShardingReport",
     "activation_rules", "active_axes", "active_mesh", "active_ways", "constrain",
     "constrain_grad", "make_mesh", "parse_axis_sizes", "sequence", "shard_map", "sharding_report",
+    "take_rows",
 ]

@@ -29,7 +29,8 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
-from jax.sharding import Mesh
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
 from sharding import rules as rules_lib
 
@@ -99,3 +100,49 @@ def shard_map(per_device: Callable, in_axes, out_axes, *, check_vma: bool = True
                          check_vma=check_vma)(*args)
 
   return mapped
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+  """`jnp.take(table, ids, axis=0)` for a (vocab, embed) table stored by the parameter rules
+  and (batch, length) ids placed by the activation rules: (batch, length, embed).
+
+  On CPU devices, where the rules store the table split over its embed dimension only (fsdp)
+  and split the batch over those same mesh axes last (batch -> data, fsdp), each device looks
+  its embed slice up for the ids of its fsdp group, and an all-to-all hands every device its
+  own rows whole. The gradient is the mirror image: an all-to-all, then a scatter-add into the
+  device's own slice of the table. No device holds a whole (vocab, embed) gradient and none is
+  all-reduced; left to the partitioner, the table's gradient is built whole on every device
+  and all-reduced (32 MB a step for a 32k x 256 float32 table).
+
+  Anywhere else (the vocabulary or the positions split, other batch axes; TPUs and GPUs until
+  the compiled memory figures in docs/compile.md are measured again with this path):
+  `jnp.take` partitioned by XLA, the gradient's layout named with `constrain_grad` (XLA's
+  partitioner would otherwise weigh moving the rows' batch split onto the table's embed split
+  by replicating them, drop it, and warn)."""
+  active = rules_lib.active()
+  if active is None:
+    return jnp.take(table, ids, axis=0)
+  rules, mesh = active
+  partitioned = lambda: jnp.take(rules_lib.constrain_grad(table, ("vocab", "embed")), ids,
+                                 axis=0)
+  table_spec = tuple(rules.param_spec(("vocab", "embed"), mesh)) + (None, None)
+  ids_spec = tuple(rules.activation_spec(("batch", "length"), mesh)) + (None, None)
+  embed_axes, batch_axes = _axes_of(table_spec[1]), _axes_of(ids_spec[0])
+  if (mesh.devices.flat[0].platform != "cpu"
+      or table_spec[0] is not None or ids_spec[1] is not None or not embed_axes
+      or batch_axes[len(batch_axes) - len(embed_axes):] != embed_axes
+      or ids.shape[0] % math.prod(mesh.shape[a] for a in batch_axes)):
+    return partitioned()
+
+  def per_device(table_block, ids_block):
+    group_ids = jax.lax.all_gather(ids_block, embed_axes, axis=0, tiled=True)
+    slices = jnp.take(table_block, group_ids, axis=0)  # (group rows, length, embed / ways)
+    return jax.lax.all_to_all(slices, embed_axes, split_axis=0, concat_axis=2, tiled=True)
+
+  return jax.shard_map(per_device, mesh=mesh,
+                       in_specs=(PartitionSpec(None, table_spec[1]), PartitionSpec(ids_spec[0])),
+                       out_specs=PartitionSpec(ids_spec[0]))(table, ids)

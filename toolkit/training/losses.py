@@ -25,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 import sharding
 
@@ -109,6 +110,9 @@ def chunked_objective(features, matrix, targets, letters: str, chunk: int, z_los
 
 def _objective_and_grads(features, matrix, targets, letters, chunk, z_loss):
   """The objective and its gradients for a cotangent of 1, chunk by chunk."""
+  if (split := vocab_parallel_axes(matrix.shape[letters.index("v")])):
+    return _vocab_parallel_objective_and_grads(features, matrix, targets, letters, chunk,
+                                               z_loss, split)
   scale = 1.0 / targets.size
 
   def one(carry, xs):
@@ -131,6 +135,84 @@ def _objective_and_grads(features, matrix, targets, letters, chunk, z_loss):
   (ce, z, d_matrix), d_features = jax.lax.scan(
       one, (zero, zero, jnp.zeros(matrix.shape, jnp.float32)),
       _chunks(features, targets, chunk))
+  objective = (ce + z_loss * z) * scale
+  return objective, (_unchunk(d_features, *targets.shape), d_matrix.astype(matrix.dtype))
+
+
+def vocab_parallel_axes(vocab: int) -> tuple[str, ...]:
+  """The mesh axes the vocabulary-parallel loss splits the output matrix's vocabulary over:
+  the batch's axes, then the vocabulary's own (tensor); () when it does not apply (no mesh,
+  the batch whole, the positions split, a vocabulary they do not divide, or a mesh not of CPU
+  devices: measured faster on CPU (docs/benchmarks.md), while the TPU memory figures in
+  docs/compile.md were measured with XLA's partitioning of the plain path and stay so)."""
+  mesh = sharding.active_mesh()
+  if (mesh is None or mesh.devices.flat[0].platform != "cpu"
+      or sharding.active_ways("length") > 1 or sharding.active_ways("batch") == 1):
+    return ()
+  batch_axes = sharding.active_axes("batch")
+  split = batch_axes + tuple(a for a in sharding.active_axes("vocab") if a not in batch_axes)
+  ways = 1
+  for axis in split:
+    ways *= mesh.shape[axis]
+  return split if vocab % ways == 0 else ()
+
+
+def _vocab_parallel_objective_and_grads(features, matrix, targets, letters, chunk, z_loss,
+                                        split):
+  """`_objective_and_grads` with the output matrix split over its vocabulary across the
+  `split` axes (the batch's first): each device gathers a chunk's features from the batch's
+  devices (tokens x embed, small), computes the logits of its vocabulary slice for all of
+  them, and exchanges only each token's softmax statistics. The matrix's gradient stays on its
+  device (no all-reduce of a vocab x embed array) and the features' gradient is summed and
+  scattered back to the devices of its rows."""
+  mesh = sharding.active_mesh()
+  batch_axes = sharding.active_axes("batch")
+  extra = tuple(a for a in split if a not in batch_axes)
+  vocab_dim = letters.index("v")
+  matrix_spec = P(*(split if d == vocab_dim else None for d in range(2)))
+  rows = P(None, batch_axes)
+  scale = 1.0 / targets.size
+
+  def local(f, t, w, m):
+    local_vocab = m.shape[vocab_dim]
+    offset = jax.lax.axis_index(split) * local_vocab
+    gather = lambda x: jax.lax.all_gather(x, batch_axes, axis=0, tiled=True)
+
+    def one(carry, xs):
+      ce_sum, z_sum, d_m = carry
+      f, t, w = xs
+      f_all, t_all, w_all = gather(f), gather(t) - offset, gather(w)
+      logits = jnp.einsum(f"te,{letters}->tv", f_all, m, preferred_element_type=jnp.float32)
+      top = jax.lax.pmax(jnp.max(logits, axis=-1), split)
+      lse = top + jnp.log(jax.lax.psum(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1),
+                                       split))
+      mine = (t_all >= 0) & (t_all < local_vocab)
+      picked = jnp.take_along_axis(logits, jnp.clip(t_all, 0, local_vocab - 1)[:, None],
+                                   axis=-1)[:, 0]
+      target_logit = jax.lax.psum(jnp.where(mine, picked, 0.0), split)
+      probs = jnp.exp(logits - lse[:, None])
+      hot = jnp.arange(local_vocab) == t_all[:, None]
+      d_logits = ((probs * (1.0 + 2.0 * z_loss * lse)[:, None] - hot)
+                  * (w_all * scale)[:, None]).astype(m.dtype)
+      d_f = jnp.einsum(f"tv,{letters}->te", d_logits, m, preferred_element_type=jnp.float32)
+      if extra:
+        d_f = jax.lax.psum(d_f, extra)
+      d_f = jax.lax.psum_scatter(d_f, batch_axes, scatter_dimension=0, tiled=True)
+      d_m = d_m + jnp.einsum(f"tv,te->{letters}", d_logits, f_all,
+                             preferred_element_type=jnp.float32)
+      return (ce_sum + ((lse - target_logit) * w_all).sum(), z_sum + (lse * lse * w_all).sum(),
+              d_m), d_f.astype(f.dtype)
+
+    zero = jnp.zeros((), jnp.float32)
+    (ce, z, d_m), d_f = jax.lax.scan(one, (zero, zero, jnp.zeros(m.shape, jnp.float32)),
+                                     (f, t, w))
+    return ce, z, d_m, d_f
+
+  f, t, w = _chunks(features, targets, chunk)
+  ce, z, d_matrix, d_features = jax.shard_map(
+      local, mesh=mesh, in_specs=(P(None, batch_axes, None), rows, rows, matrix_spec),
+      out_specs=(P(), P(), matrix_spec, P(None, batch_axes, None)), check_vma=False)(
+          f, t, w, matrix)
   objective = (ce + z_loss * z) * scale
   return objective, (_unchunk(d_features, *targets.shape), d_matrix.astype(matrix.dtype))
 
@@ -159,8 +241,13 @@ def split_chunk_positions(loss_chunk: int, rows: int, length: int, ways: int) ->
   return max(c for c in range(ways, length + 1, ways) if length % c == 0 and c <= wanted)
 
 
-def _chunk_of(model, targets) -> int:
+def _chunk_of(model, targets, differentiated: bool = False) -> int:
+  """Positions per chunk: about `loss_chunk` tokens per device, or in all when the
+  differentiated objective runs vocabulary-parallel (a device then holds the logits of every
+  row's chunk for its slice of the vocabulary)."""
   rows = targets.shape[0] // sharding.active_ways("batch")
+  if differentiated and vocab_parallel_axes(model.cfg.vocab_size):
+    rows = targets.shape[0]
   return split_chunk_positions(model.cfg.loss_chunk, rows, targets.shape[1],
                                sharding.active_ways("length"))
 
@@ -192,5 +279,5 @@ def next_token_objective(model, inputs: jax.Array, targets: jax.Array,
     features, aux_loss, metrics = model.features_and_aux(inputs, positions)
     matrix, letters = model.unembedding()
     objective = chunked_objective(features, matrix, targets, letters,
-                                  _chunk_of(model, targets), z_loss)
+                                  _chunk_of(model, targets, differentiated=True), z_loss)
   return objective + aux_loss, metrics

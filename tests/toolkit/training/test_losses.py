@@ -2,6 +2,7 @@
 gradients, with and without z-loss, sharded and not; and the compiled step's temporaries
 shrink by at least the logits when chunked."""
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -91,6 +92,46 @@ def test_sharded_chunked_equals_unsharded_full():
   sharded = run(params, jax.device_put(inputs, rows), jax.device_put(targets, rows))
   np.testing.assert_allclose(sharded[0], full[0], **TOLERANCE)
   assert_trees_close(sharded[1], full[1], **TOLERANCE)
+
+
+@pytest.mark.parametrize("tie, z_loss, vocab, vocab_parallel", [
+    (False, 0.0, 256, True), (True, 1e-2, 256, True),
+    (False, 0.0, 252, False),  # 252 tokens do not split 8 ways: the chunked path as is
+])
+def test_vocab_parallel_equals_unsharded_full(tie, z_loss, vocab, vocab_parallel):
+  """data 2 x fsdp 4 under fsdp (the batch split 8 ways, the output matrix's embed 4 ways):
+  the loss splits the matrix's vocabulary over the batch's devices. Same objective and
+  gradients as over full logits on one device, and no collective moves the whole matrix
+  (forward gather or gradient all-reduce); with a vocabulary 8 devices do not divide, the
+  plain chunked path (which gathers the matrix), same numbers."""
+  inputs, targets = _batch(batch=8, length=16, vocab=vocab, seed=3)
+  overrides = dict(tie_embeddings=tie, z_loss=z_loss, vocab_size=vocab)
+  full = _objective_and_grads(_model(loss_chunk=0, **overrides), inputs, targets)
+  model = _model(loss_chunk=4, **overrides)
+  graphdef, params = nnx.split(model)
+  mesh = sharding.make_mesh([("data", 2), ("fsdp", 4)])
+  rules = sharding.Rules.preset("fsdp")
+  rows = NamedSharding(mesh, rules.activation_spec(("batch", "length"), mesh))
+  placed = jax.tree.map(lambda v: jax.device_put(v, NamedSharding(
+      mesh, rules.param_spec(v.get_metadata()["out_sharding"], mesh))), params,
+      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+  @jax.jit
+  def run(params, inputs, targets):
+    with sharding.activation_rules(rules, mesh):
+      assert bool(losses.vocab_parallel_axes(vocab)) == vocab_parallel
+      fn = lambda p: losses.next_token_objective(nnx.merge(graphdef, p), inputs, targets)[0]
+      return jax.value_and_grad(fn)(params)
+
+  args = (placed, jax.device_put(inputs, rows), jax.device_put(targets, rows))
+  sharded = run(*args)
+  np.testing.assert_allclose(sharded[0], full[0], **TOLERANCE)
+  assert_trees_close(sharded[1], full[1], **TOLERANCE)
+  matrix = model.unembedding()[0].shape
+  whole = [s for s in re.findall(r"= \(?([a-z0-9]+\[[0-9,]*\])[^=]*? (?:all-gather|all-reduce)\(",
+                                 run.lower(*args).compile().as_text())
+           if s.endswith("[{},{}]".format(*matrix))]
+  assert bool(whole) != vocab_parallel, whole
 
 
 def _temporaries(loss_chunk: int) -> int:
