@@ -433,8 +433,7 @@ class Llama(nnx.Module):
       x = jnp.take(table, tokens, axis=0)
     else:  # the backward's scatter-add would weigh (then drop) such a reshard: per device
       x = sharding.take_rows(table, tokens)  # where the layouts allow, else layout named
-    x = x.astype(self.cfg.compute_dtype)
-    return constrain(x, ("batch", "length", "embed"))
+    return constrain(x.astype(self.cfg.compute_dtype), ("batch", "length", "embed"))
 
   def _logits(self, features: jax.Array) -> jax.Array:
     matrix, letters = self.unembedding()
