@@ -21,6 +21,7 @@ Not differentiated (eval), only the losses are computed.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -110,7 +111,7 @@ def chunked_objective(features, matrix, targets, letters: str, chunk: int, z_los
 
 def _objective_and_grads(features, matrix, targets, letters, chunk, z_loss):
   """The objective and its gradients for a cotangent of 1, chunk by chunk."""
-  if (split := vocab_parallel_axes(matrix.shape[letters.index("v")])):
+  if (split := vocab_parallel_axes(matrix.shape[letters.index("v")], letters)):
     return _vocab_parallel_objective_and_grads(features, matrix, targets, letters, chunk,
                                                z_loss, split)
   scale = 1.0 / targets.size
@@ -139,22 +140,30 @@ def _objective_and_grads(features, matrix, targets, letters, chunk, z_loss):
   return objective, (_unchunk(d_features, *targets.shape), d_matrix.astype(matrix.dtype))
 
 
-def vocab_parallel_axes(vocab: int) -> tuple[str, ...]:
+def vocab_parallel_axes(vocab: int, letters: str) -> tuple[str, ...]:
   """The mesh axes the vocabulary-parallel loss splits the output matrix's vocabulary over:
-  the batch's axes, then the vocabulary's own (tensor); () when it does not apply (no mesh,
-  the batch whole, the positions split, a vocabulary they do not divide, or a mesh not of CPU
-  devices: measured faster on CPU (docs/benchmarks.md), while the TPU memory figures in
+  the batch's axes, then the vocabulary's own (tensor). () when it does not apply: no mesh, the
+  batch whole, the positions split, a vocabulary they do not divide, a matrix stored split
+  over other mesh axes (then its gradient could not return to its storage layout by an
+  all-to-all: XLA replicates it, e.g. with a data or expert axis), or a mesh not of CPU
+  devices (measured faster on CPU, docs/benchmarks.md; the TPU memory figures in
   docs/compile.md were measured with XLA's partitioning of the plain path and stay so)."""
-  mesh = sharding.active_mesh()
-  if (mesh is None or mesh.devices.flat[0].platform != "cpu"
-      or sharding.active_ways("length") > 1 or sharding.active_ways("batch") == 1):
+  active = sharding.rules.active()
+  if active is None:
+    return ()
+  rules, mesh = active
+  if (mesh.devices.flat[0].platform != "cpu" or sharding.active_ways("length") > 1
+      or sharding.active_ways("batch") == 1):
     return ()
   batch_axes = sharding.active_axes("batch")
   split = batch_axes + tuple(a for a in sharding.active_axes("vocab") if a not in batch_axes)
-  ways = 1
-  for axis in split:
-    ways *= mesh.shape[axis]
-  return split if vocab % ways == 0 else ()
+  stored = rules.param_spec(tuple("embed" if c == "e" else "vocab" for c in letters), mesh)
+  stored_axes = [a for entry in stored if entry
+                 for a in ((entry,) if isinstance(entry, str) else entry)]
+  live = lambda axes: {a for a in axes if mesh.shape[a] > 1}
+  if live(split) != live(stored_axes) or vocab % math.prod(mesh.shape[a] for a in split):
+    return ()
+  return split
 
 
 def _vocab_parallel_objective_and_grads(features, matrix, targets, letters, chunk, z_loss,
@@ -246,7 +255,8 @@ def _chunk_of(model, targets, differentiated: bool = False) -> int:
   differentiated objective runs vocabulary-parallel (a device then holds the logits of every
   row's chunk for its slice of the vocabulary)."""
   rows = targets.shape[0] // sharding.active_ways("batch")
-  if differentiated and vocab_parallel_axes(model.cfg.vocab_size):
+  letters = "ve" if model.cfg.tie_embeddings else "ev"
+  if differentiated and vocab_parallel_axes(model.cfg.vocab_size, letters):
     rows = targets.shape[0]
   return split_chunk_positions(model.cfg.loss_chunk, rows, targets.shape[1],
                                sharding.active_ways("length"))

@@ -94,32 +94,39 @@ def test_sharded_chunked_equals_unsharded_full():
   assert_trees_close(sharded[1], full[1], **TOLERANCE)
 
 
-@pytest.mark.parametrize("tie, z_loss, vocab, vocab_parallel", [
-    (False, 0.0, 256, True), (True, 1e-2, 256, True),
-    (False, 0.0, 252, False),  # 252 tokens do not split 8 ways: the chunked path as is
+@pytest.mark.parametrize("preset, mesh_axes, tie, z_loss, vocab, vocab_parallel", [
+    ("fsdp", [("fsdp", 8)], False, 0.0, 256, True),
+    ("fsdp", [("fsdp", 8)], True, 1e-2, 256, True),  # tied: the lookup runs per device too
+    # (under fsdp_tp a tied table's lookup is left to XLA, which all-reduces its gradient)
+    ("fsdp_tp", [("fsdp", 4), ("tensor", 2)], False, 1e-2, 256, True),
+    ("fsdp", [("fsdp", 8)], False, 0.0, 252, False),  # 8 devices do not split 252 words
+    # The matrix is stored over fsdp only: a vocabulary split over data x fsdp could not give
+    # its gradient back by an all-to-all (XLA would replicate it), so the plain chunked path.
+    ("fsdp", [("data", 2), ("fsdp", 4)], False, 0.0, 256, False),
 ])
-def test_vocab_parallel_equals_unsharded_full(tie, z_loss, vocab, vocab_parallel):
-  """data 2 x fsdp 4 under fsdp (the batch split 8 ways, the output matrix's embed 4 ways):
-  the loss splits the matrix's vocabulary over the batch's devices. Same objective and
-  gradients as over full logits on one device, and no collective moves the whole matrix
-  (forward gather or gradient all-reduce); with a vocabulary 8 devices do not divide, the
-  plain chunked path (which gathers the matrix), same numbers."""
+def test_vocab_parallel_equals_unsharded_full(preset, mesh_axes, tie, z_loss, vocab,
+                                              vocab_parallel):
+  """With the batch split 8 ways on CPU devices the loss splits the output matrix's
+  vocabulary over the devices that store it. Same objective and gradients as over full logits
+  on one device; on that path no collective moves the whole matrix (forward gather or
+  gradient all-reduce), on the plain chunked path one does."""
   inputs, targets = _batch(batch=8, length=16, vocab=vocab, seed=3)
   overrides = dict(tie_embeddings=tie, z_loss=z_loss, vocab_size=vocab)
   full = _objective_and_grads(_model(loss_chunk=0, **overrides), inputs, targets)
   model = _model(loss_chunk=4, **overrides)
   graphdef, params = nnx.split(model)
-  mesh = sharding.make_mesh([("data", 2), ("fsdp", 4)])
-  rules = sharding.Rules.preset("fsdp")
+  mesh = sharding.make_mesh(mesh_axes)
+  rules = sharding.Rules.preset(preset)
   rows = NamedSharding(mesh, rules.activation_spec(("batch", "length"), mesh))
   placed = jax.tree.map(lambda v: jax.device_put(v, NamedSharding(
       mesh, rules.param_spec(v.get_metadata()["out_sharding"], mesh))), params,
       is_leaf=lambda x: isinstance(x, nnx.Variable))
+  letters = model.unembedding()[1]
 
   @jax.jit
   def run(params, inputs, targets):
     with sharding.activation_rules(rules, mesh):
-      assert bool(losses.vocab_parallel_axes(vocab)) == vocab_parallel
+      assert bool(losses.vocab_parallel_axes(vocab, letters)) == vocab_parallel
       fn = lambda p: losses.next_token_objective(nnx.merge(graphdef, p), inputs, targets)[0]
       return jax.value_and_grad(fn)(params)
 
