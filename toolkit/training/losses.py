@@ -109,6 +109,15 @@ def chunked_objective(features, matrix, targets, letters: str, chunk: int, z_los
   return ce + z_loss * z
 
 
+def _logits_grad(logits, lse, targets, weights, z_loss: float):
+  """d/dlogits of weights x (cross-entropy + z_loss x lse^2), per token: zero where the weight
+  is (padding). `targets` index the last axis of these logits (a slice of the vocabulary may
+  hold none of a row's target)."""
+  probs = jnp.exp(logits - lse[..., None])
+  hot = jnp.arange(logits.shape[-1]) == targets[..., None]
+  return (probs * (1.0 + 2.0 * z_loss * lse)[..., None] - hot) * weights[..., None]
+
+
 def _objective_and_grads(features, matrix, targets, letters, chunk, z_loss):
   """The objective and its gradients for a cotangent of 1, chunk by chunk."""
   if (split := vocab_parallel_axes(matrix.shape[letters.index("v")], letters)):
@@ -120,10 +129,7 @@ def _objective_and_grads(features, matrix, targets, letters, chunk, z_loss):
     ce_sum, z_sum, d_matrix = carry
     f, t, w = xs
     logits, lse, ce, z = _chunk_losses(f, t, w, matrix, letters)
-    probs = jnp.exp(logits - lse[..., None])
-    hot = jnp.arange(logits.shape[-1]) == t[..., None]
-    # d/dlogits of (ce + z_loss * lse^2) / tokens, zero on padding.
-    d_logits = (probs * (1.0 + 2.0 * z_loss * lse)[..., None] - hot) * (w * scale)[..., None]
+    d_logits = _logits_grad(logits, lse, t, w * scale, z_loss)
     axes = _LOGITS_AXES if f.ndim == 2 else ("batch", "length", "vocab")
     d_logits = sharding.constrain(d_logits.astype(matrix.dtype), axes)
     d_features = jnp.einsum(f"...v,{letters}->...e", d_logits, matrix,
@@ -199,10 +205,7 @@ def _vocab_parallel_objective_and_grads(features, matrix, targets, letters, chun
       picked = jnp.take_along_axis(logits, jnp.clip(t_all, 0, local_vocab - 1)[:, None],
                                    axis=-1)[:, 0]
       target_logit = jax.lax.psum(jnp.where(mine, picked, 0.0), split)
-      probs = jnp.exp(logits - lse[:, None])
-      hot = jnp.arange(local_vocab) == t_all[:, None]
-      d_logits = ((probs * (1.0 + 2.0 * z_loss * lse)[:, None] - hot)
-                  * (w_all * scale)[:, None]).astype(m.dtype)
+      d_logits = _logits_grad(logits, lse, t_all, w_all * scale, z_loss).astype(m.dtype)
       d_f = jnp.einsum(f"tv,{letters}->te", d_logits, m, preferred_element_type=jnp.float32)
       if extra:
         d_f = jax.lax.psum(d_f, extra)
