@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from toolkit.training.programs import Programs
+
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
 _GOLDEN = np.uint32(0x9E3779B1)  # 2**32 / golden ratio: spreads neighbouring indices
 
@@ -38,13 +40,14 @@ def fingerprint(x: jax.Array) -> jax.Array:
 _COMPILED: dict = {}
 
 
-def compile_for(tree) -> None:
+def compile_for(tree, programs: Programs | None = None) -> None:
   """Compiles the fingerprint program for `tree`'s layout (arrays, or abstract arrays carrying
-  shardings) ahead of the first save, so that save does not block the loop for a compile."""
-  _compiled(tree)
+  shardings) ahead of the first save, so that save does not block the loop for a compile (or
+  reads it back from `programs`)."""
+  _compiled(tree, programs)
 
 
-def _compiled(tree):
+def _compiled(tree, programs: Programs | None = None):
   """The compiled fingerprints of all leaves, as one uint32 vector (one transfer to the host),
   one program per tree structure and sharding layout."""
   leaves, treedef = jax.tree.flatten(tree)
@@ -53,8 +56,9 @@ def _compiled(tree):
     mesh = next((x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)), None)
     out = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
-    _COMPILED[key] = jax.jit(lambda xs: jnp.stack([fingerprint(x) for x in xs]),
-                             out_shardings=out).lower(abstract).compile()
+    _COMPILED[key] = (programs or Programs(None, "")).compile(
+        "fingerprints", jax.jit(lambda xs: jnp.stack([fingerprint(x) for x in xs]),
+                                out_shardings=out), abstract)
   return _COMPILED[key]
 
 

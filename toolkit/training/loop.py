@@ -21,7 +21,8 @@ from jax.experimental import multihost_utils
 from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
 from toolkit.training import checkpoint, goodput as goodput_lib, init_from, integrity
-from toolkit.training import metrics as metrics_lib, profiler as profiler_lib, resume
+from toolkit.training import metrics as metrics_lib, profiler as profiler_lib
+from toolkit.training import programs as programs_lib, resume
 from toolkit.training import state as state_lib, step as step_lib, storage, tasks
 from toolkit.training.setup import Setup, build, peak_flops_total, work_per_step
 
@@ -41,7 +42,9 @@ class RunResult:
   train_losses: dict[int, float]
   eval_losses: dict[int, float]
   stopped_early: bool
-  step_traces: int = 0  # how often Python traced the train step (1: compiled once)
+  # How often Python traced the train step: 1 (compiled once), or 0 when a restart read it
+  # back from the compilation cache's folder (toolkit/training/programs.py).
+  step_traces: int = 0
   sample: str | None = None
   eval_metrics: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
   confusion: np.ndarray | None = None  # classification: the last eval's confusion matrix
@@ -108,6 +111,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
   # --- setup: validate everything before touching the workdir --------------------------------
   with goodput.phase("startup"):
     setup = build(config, devices)
+    programs = programs_lib.for_run(config, setup.spec.mesh)  # a restart reads them back
     hf_folder = init_from.source(config, setup.spec.model, workdir)  # checked, or None
     prepare_workdir(workdir, checkpoint_bytes(setup))
     log_setup(config, setup)
@@ -115,7 +119,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
     # --- restore or init: the newest checkpoint that restores (damaged ones set aside) -------
     checkpoints = checkpoint.Checkpoints(workdir_lib.join(workdir, "checkpoints"),
                                          keep=config.train.keep_checkpoints)
-    state, data_position = resume.restore_or_init(config, setup, checkpoints, log, hf_folder)
+    state, data_position = resume.restore_or_init(config, setup, checkpoints, log, hf_folder,
+                                                  programs)
     start_step = int(jax.device_get(state["step"]))
   result = RunResult(final_step=start_step, train_losses={}, eval_losses={},
                      stopped_early=False)
@@ -127,11 +132,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
 
   # --- compile once --------------------------------------------------------------------------
   with goodput.phase("compile"):
-    train_step, eval_step = compile_steps(setup)
+    train_step, eval_step = compile_steps(setup, programs)
 
   # --- loop ----------------------------------------------------------------------------------
   current = Run(config=config, setup=setup, eval_step=eval_step, checkpoints=checkpoints,
                 writer=metrics_lib.MetricWriter(workdir), result=result, goodput=goodput,
+                programs=programs,
                 profiler=profiler_lib.StepProfiler(profiler_lib.parse_profile_steps(
                     config.train.get("profile_steps", ""), config.train.steps), workdir, log))
   try:
@@ -204,15 +210,19 @@ def log_setup(config: ml_collections.ConfigDict, setup: Setup) -> None:
 
 # --- compile --------------------------------------------------------------------------------
 
-def compile_steps(setup: Setup):
-  """The compiled train and eval steps, with the compile time and per-device memory logged."""
+def compile_steps(setup: Setup, programs: programs_lib.Programs | None = None):
+  """The compiled train and eval steps (read back from `programs` when it holds them), with
+  the compile time and per-device memory logged."""
   log("compiling the step ...")
   start = time.perf_counter()
   train_step, eval_step = step_lib.compile_step(setup.step, setup.layout,
-                                                setup.batches.abstract(), setup.spec.mesh)
-  integrity.compile_for(setup.layout.abstract)  # the checkpoints' fingerprints
+                                                setup.batches.abstract(), setup.spec.mesh,
+                                                programs)
+  integrity.compile_for(setup.layout.abstract, programs)  # the checkpoints' fingerprints
   memory = train_step.memory_analysis()
-  log(f"compiled the step in {time.perf_counter() - start:.1f} s" + (
+  read_back = programs is not None and "train_step" in programs.loaded
+  log(f"compiled the step in {time.perf_counter() - start:.1f} s"
+      + (" (read back from the compilation cache)" if read_back else "") + (
       f"; per device: {memory.argument_size_in_bytes / 2**20:.1f} MiB arguments, "
       f"{memory.temp_size_in_bytes / 2**20:.1f} MiB temporaries" if memory else ""))
   return train_step, eval_step
@@ -232,10 +242,11 @@ class Run:
   goodput: goodput_lib.Goodput = dataclasses.field(default_factory=goodput_lib.Goodput)
   profiler: profiler_lib.StepProfiler = dataclasses.field(
       default_factory=lambda: profiler_lib.StepProfiler(None, ""))
+  programs: programs_lib.Programs | None = None
 
   def __post_init__(self):
     self.units_per_step, self.flops_per_step = work_per_step(self.config, self.setup)
-    self.peak_flops_total = peak_flops_total(self.config, self.setup.spec.mesh)
+    self.peak_flops_total = peak_flops_total(self.config, self.setup.spec.mesh, self.programs)
     self.config_dict = checkpoint.config_to_dict(self.config)
 
 

@@ -22,14 +22,17 @@ from jax.experimental import multihost_utils
 from toolkit import hf
 from toolkit.errors import ConfigError
 from toolkit.training import checkpoint, init_from, state as state_lib, storage
+from toolkit.training.programs import Programs
 from toolkit.training.setup import Setup
 
 
 def restore_or_init(config: ml_collections.ConfigDict, setup: Setup,
                     own: checkpoint.Checkpoints, log: Callable[[str], None],
-                    hf_folder: hf.HFFolder | None = None) -> tuple[state_lib.State, dict | None]:
+                    hf_folder: hf.HFFolder | None = None,
+                    programs: Programs | None = None) -> tuple[state_lib.State, dict | None]:
   """(state, data position): see the module docstring; the position is None when the run
-  starts at step 0. `hf_folder` is `init_from.source`'s answer (checked, or None)."""
+  starts at step 0. `hf_folder` is `init_from.source`'s answer (checked, or None); a fresh
+  state's init program comes from `programs` when it holds it."""
   if own.all_steps():
     return restore_newest_good(own, setup, log)
   if config.train.resume_from:
@@ -37,7 +40,8 @@ def restore_or_init(config: ml_collections.ConfigDict, setup: Setup,
   if hf_folder is not None:
     log(f"initializing from {hf_folder.path} (train.init_from), fresh optimizer")
     return init_from.initial_state(hf_folder, setup, config.seed), None
-  return state_lib.create(setup.spec.model, setup.optimizer, setup.layout, config.seed), None
+  return state_lib.create(setup.spec.model, setup.optimizer, setup.layout, config.seed,
+                          programs), None
 
 
 def restore_newest_good(checkpoints: checkpoint.Checkpoints, setup: Setup,

@@ -15,6 +15,7 @@ import optax
 from toolkit import accelerators
 from toolkit import data as data_lib
 from toolkit.training import config as config_lib, state as state_lib, step as step_lib, tasks
+from toolkit.training.programs import Programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,19 +61,21 @@ def matmul_flops_per_second(size: int = 2048, repeats: int = 5, device=None) -> 
   return 2 * size**3 / statistics.median(seconds)
 
 
-def peak_flops_total(config: ml_collections.ConfigDict, mesh) -> float:
+def peak_flops_total(config: ml_collections.ConfigDict, mesh,
+                     programs: Programs | None = None) -> float:
   """Peak FLOP/s of the devices in `mesh`, for MFU: `train.peak_flops_per_device` x devices
   when set (> 0); else the chip's bf16 peak from the accelerator table x devices; else, on CPU,
-  the host's float32 matmul peak measured now (1024^2 matmuls), however many devices the mesh
-  holds: simulated CPU devices share the host's cores, so 1 device and 8 have the same peak;
-  else 0, which turns MFU off."""
+  the host's float32 matmul peak (1024^2 matmuls), measured now or once per machine and software
+  when `programs` has a folder, however many devices the mesh holds: simulated CPU devices
+  share the host's cores, so 1 device and 8 have the same peak; else 0, which turns MFU off."""
   if config.train.peak_flops_per_device > 0:
     return config.train.peak_flops_per_device * mesh.size
   device = mesh.devices.flat[0]
   table = accelerators.peak_flops_per_chip(device.device_kind)
   if table or device.platform != "cpu":
     return table * mesh.size
-  return matmul_flops_per_second(1024, 5, device)
+  return (programs or Programs(None, "")).value(
+      "cpu_matmul_peak", lambda: matmul_flops_per_second(1024, 5, device))
 
 
 def work_per_step(config: ml_collections.ConfigDict, setup: Setup) -> tuple[int, float]:

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
 from models import Llama, LlamaConfig, build_model
+from toolkit.training.programs import Programs
 
 State = dict[str, Any]
 
@@ -94,10 +95,12 @@ def layout(model_cfg: LlamaConfig, optimizer: optax.GradientTransformation,
 
 
 def create(model_cfg: LlamaConfig, optimizer: optax.GradientTransformation,
-           state_layout: StateLayout, seed: int) -> State:
-  """Initializes the state directly into its shardings."""
+           state_layout: StateLayout, seed: int, programs: Programs | None = None) -> State:
+  """Initializes the state directly into its shardings (the init program read back from
+  `programs` when it holds it)."""
   init = jax.jit(lambda s: _init(model_cfg, optimizer, s), out_shardings=state_layout.shardings)
-  return init(jnp.int32(seed))
+  seed = jnp.int32(seed)
+  return (programs or Programs(None, "")).compile("init", init, seed)(seed)
 
 
 def from_params(params, optimizer: optax.GradientTransformation, state_layout: StateLayout,

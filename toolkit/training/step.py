@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
 from toolkit.training import losses
+from toolkit.training.programs import Programs
 from toolkit.training.state import State, StateLayout
 
 Batch = dict[str, jax.Array]
@@ -176,10 +177,13 @@ def jit_step(step: TrainStep, state_layout: StateLayout, abstract_batch: Batch, 
   return train, evaluate
 
 
-def compile_step(step: TrainStep, state_layout: StateLayout, abstract_batch: Batch, mesh: Mesh):
-  """Lowers and compiles the train and eval steps once for these exact shapes and shardings.
+def compile_step(step: TrainStep, state_layout: StateLayout, abstract_batch: Batch, mesh: Mesh,
+                 programs: Programs | None = None):
+  """Lowers and compiles the train and eval steps once for these exact shapes and shardings,
+  or reads them back from `programs` (a restart: nothing traced).
 
   Returns (train, eval) compiled executables; the train step donates the state."""
+  programs = programs or Programs(None, "")
   train, evaluate = jit_step(step, state_layout, abstract_batch, mesh)
-  return (train.lower(state_layout.abstract, abstract_batch).compile(),
-          evaluate.lower(state_layout.abstract, abstract_batch).compile())
+  return (programs.compile("train_step", train, state_layout.abstract, abstract_batch),
+          programs.compile("eval_step", evaluate, state_layout.abstract, abstract_batch))
