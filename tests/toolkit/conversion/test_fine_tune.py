@@ -5,6 +5,7 @@ before training it equals meshkit's step-0 eval (the weights were read right). A
 written by the import holds exactly the state init_from starts from."""
 import jax
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from experiments import hf as hf_experiment
@@ -39,6 +40,7 @@ def _transformers_loss(model, config) -> float:
   return float(np.mean(losses))
 
 
+@pytest.mark.slow  # 12 s; the default suite stays near its budget (docs/testing.md)
 def test_fine_tune_export_and_reload(tmp_path):
   original = reference.write_folder(tmp_path / "hf")
   config = _config(tmp_path / "hf")

@@ -7,6 +7,7 @@ from toolkit.inference import text as text_lib
 from toolkit.errors import ConfigError
 
 
+@pytest.mark.slow  # 20 s; the default suite stays near its budget (docs/testing.md)
 def test_sample_from_checkpoint_is_reproducible(tmp_path):
   config = tiny_config(steps=4)
   config.train.sample_tokens = 8

@@ -70,6 +70,7 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.slow  # 21 s; the default suite stays near its budget (docs/testing.md)
 def test_load_with_bad_requests_in_between(server, tmp_path):
   responses = tmp_path / "responses.jsonl"
   load = subprocess.Popen(

@@ -191,6 +191,7 @@ def test_oversized_config_does_not_fit_with_the_compilers_figure(tmp_path):
   assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # 20 s; the default suite stays near its budget (docs/testing.md)
 @pytest.mark.tpu_aot
 def test_planner_picks_a_plan_that_trains_on_8_simulated_devices(tmp_path):
   needs_libtpu()

@@ -232,6 +232,7 @@ def test_a_killed_coordinator_stops_every_other_process(four):
   assert step >= saved
 
 
+@pytest.mark.slow  # 14 s; the default suite stays near its budget (docs/testing.md)
 def test_a_killed_worker_stops_every_other_process(environ, tmp_path):
   """Process 1 of 2 dies: process 0 notices in a collective (an `error:` line) or by missing
   heartbeats; the last complete checkpoint still restores."""

@@ -62,6 +62,7 @@ def _committed(gcs_server, bucket: str, run: str) -> list[int]:
                 and n.endswith("/commit_success.txt"))
 
 
+@pytest.mark.slow  # 22 s; the default suite stays near its budget (docs/testing.md)
 def test_a_killed_run_resumes_in_the_bucket_bitwise(gcs_server, gcs_bucket, tmp_path):
   env = _env(gcs_server)
   local = str(tmp_path / "local")
@@ -196,7 +197,8 @@ def _serve_one_request(env, checkpoint_url: str, tmp_path) -> None:
 @pytest.mark.parametrize("case, expected", [
     ("missing bucket", "bucket 'no-such-bucket' does not exist; create it"),
     ("unreachable", "Cloud Storage cannot be reached"),
-    ("silent", "Cloud Storage did not answer within 15 s"),
+    pytest.param("silent", "Cloud Storage did not answer within 15 s",  # waits out 15 s
+                 marks=pytest.mark.slow),
     ("permission", "permission denied on bucket"),
     ("credentials", "Cloud Storage refused the credentials"),
 ])

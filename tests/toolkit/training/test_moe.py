@@ -197,6 +197,7 @@ def test_moe_layout_mistakes_name_the_field_and_the_fix(ici, preset, overrides, 
     assert fragment in str(raised.value), str(raised.value)
 
 
+@pytest.mark.slow  # 14 s; the default suite stays near its budget (docs/testing.md)
 def test_tiny_moe_learns_the_stdlib_docs_with_every_expert_in_use(tmp_path):
   config = moe_experiment.get_config("tiny")
   config.train.update(steps=100, log_every=25, eval_every=100, checkpoint_every=100)

@@ -179,6 +179,7 @@ def test_a_measurement_is_made_once(tmp_path):
   assert programs_lib.Programs(None, "").value("peak", lambda: 2.0) == 2.0
 
 
+@pytest.mark.slow  # 23 s; the default suite stays near its budget (docs/testing.md)
 def test_the_command_reads_the_step_back_on_a_restart(tmp_path):
   """`python -m toolkit.train` twice into new workdirs with one cache: the second run says it
   read the step back, and its metrics are the first run's to the bit. Then with the programs
