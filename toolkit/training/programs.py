@@ -11,9 +11,10 @@ JAX's config values and the XLA/JAX/libtpu environment variables. A change to an
 new key: the program is traced again (and JAX's cache may still skip the compile).
 
 Entries are JAX's own serialized executables (`jax.experimental.serialize_executable`, what
-MaxText's `compiled_trainstep_file` loads), one file each in `<cache>/meshkit_programs/`, the
-newest `KEEP` kept. Only a local cache folder is used, in a one-process job; with the cache off
-(or on gs://) every program is traced and compiled as usual. An entry that fails to load is
+MaxText's `compiled_trainstep_file` loads), one file each in `<cache>/meshkit_programs/`, those
+used last kept (at most `KEEP` entries and `KEEP_BYTES`). Only a local cache folder is used, in
+a one-process job; with the cache off (or on gs://) every program is traced and compiled as
+usual. An entry that fails to load is
 deleted and the program compiled again: the cache can only cost time, never change a result.
 
 Only a program that JAX compiled during the call is stored (it reported a miss of its own
