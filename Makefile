@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 DEVICES ?= 8
 DEMO_DIR ?= runs/lm_cpu
 
-.PHONY: demo test test-slow test-all bench clean
+.PHONY: demo test test-slow test-all test-newest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ test-slow: $(VENV)/.installed-test
 
 test-all: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The newest-deps job: Python 3.12 with the newest release of every dependency, the tests
+# marked smoke (train, resume, sharded == unsharded, Grain's batches, HF parity, a TPU compile,
+# one served request). scripts/ci_newest.sh creates its own .venv-newest; .ci/run runs it last.
+test-newest:
+	bash scripts/ci_newest.sh
 
 bench: $(VENV)/.installed
 	$(BIN)/python scripts/bench_step.py

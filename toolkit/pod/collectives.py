@@ -68,6 +68,8 @@ class Collective:
   partial: bool           # the groups cover only part of those axes (e.g. within a slice)
   slices_spanned: int     # distinct slices in a group (1: inside a slice, on ICI)
   count: int              # executions per step (trip counts of enclosing loops multiplied)
+  result: str = ""        # the instruction's result type without layouts: "f32[8,32,2,8]", or
+                          # a tuple "(f32[4], f32[2])" (combined or -start collectives)
 
   @property
   def moved_bytes(self) -> float:
@@ -309,7 +311,8 @@ def parse(hlo_text: str, mesh_axes: Sequence[tuple[str, int]],
           payload *= num_slices  # the send carries this device's piece; report the gathered
         found.append(Collective(kind=kind, name=match.group(1), payload_bytes=payload,
                                 group_size=num_slices, axes=dcn_axes, partial=False,
-                                slices_spanned=num_slices, count=count))
+                                slices_spanned=num_slices, count=count,
+                                result=_without_layouts(type_text)))
         continue
       if opcode.group(1) not in _OPCODES:
         continue
@@ -325,7 +328,8 @@ def parse(hlo_text: str, mesh_axes: Sequence[tuple[str, int]],
         group_size = 2 if groups else 1
       found.append(Collective(kind=kind, name=match.group(1), payload_bytes=payload,
                               group_size=group_size, axes=axes, partial=partial,
-                              slices_spanned=slices, count=count))
+                              slices_spanned=slices, count=count,
+                              result=_without_layouts(type_text)))
   return found
 
 
@@ -343,6 +347,11 @@ def _slice_axes(slice_array: np.ndarray | None, names: list[str],
   grid = slice_array.reshape(shape)
   return tuple(name for i, name in enumerate(names)
                if (np.diff(grid, axis=i) != 0).any())
+
+
+def _without_layouts(type_text: str) -> str:
+  """'(f32[8,4]{1,0}, s32[]{:T(128)})' -> '(f32[8,4], s32[])'."""
+  return re.sub(r"\{[^{}]*\}", "", type_text)
 
 
 def _payload(opcode: str, type_text: str) -> int:

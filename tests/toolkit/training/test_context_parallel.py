@@ -5,6 +5,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import sharding
 from models import attention
@@ -13,6 +14,7 @@ from tests.tiny_runs import (TOLERANCE, assert_resume_is_bitwise, assert_trees_c
 from toolkit import training
 from toolkit.errors import ConfigError
 from toolkit.inference import restore
+from toolkit.pod import collectives
 from toolkit.training import step as step_lib
 
 
@@ -40,28 +42,66 @@ def test_ten_steps_equal_one_device(one_device, preset, ici, implementation, los
   assert_trees_close(params, one_device[1], **TOLERANCE)
 
 
-def _all_gathers(config) -> list[tuple[str, str]]:
-  """(result shape, op name) of each all-gather in the compiled train step."""
-  setup = training.build(config)
-  train, _ = step_lib.jit_step(setup.step, setup.layout, setup.batches.abstract(),
-                               setup.spec.mesh)
-  text = train.lower(setup.layout.abstract, setup.batches.abstract()).compile().as_text()
-  return re.findall(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(.*?op_name=\"([^\"]*)\"", text)
+def _all_gathers(compiled, mesh) -> list[collectives.Collective]:
+  """Each all-gather of a compiled program: its result type, the mesh axes its groups span and
+  its executions per run, read from the HLO's types and replica groups (op names and metadata
+  change between XLA releases; those do not)."""
+  return [c for c in collectives.parse(compiled.as_text(), list(mesh.shape.items()))
+          if c.kind == "all-gather"]
+
+
+def _arrays(gather: collectives.Collective) -> list[str]:
+  """The array types a gather produces (a combined gather produces several)."""
+  return re.findall(r"\w+\[[\d,]*\]", gather.result)
+
+
+def _keys_values(gathers, kv: str) -> list[collectives.Collective]:
+  return [g for g in gathers if kv in _arrays(g)]
+
+
+def _whole_length(gathers, kv: str, rows_and_length: str = "f32[8,32,") -> list[str]:
+  """Gathered (8 rows, all 32 positions, ...) activations other than keys and values."""
+  return [a for g in gathers for a in _arrays(g) if a.startswith(rows_and_length) and a != kv]
 
 
 def test_the_step_gathers_keys_and_values_over_sequence_and_never_the_residual_stream():
   """fsdp 2 x sequence 4, batch 16 (8 rows per device), 32 positions (8 per device), width
   32, 2 key/value heads of 8: keys and values are gathered to all 32 positions inside
-  attention; no (rows, 32 positions, width) or MLP-hidden activation is gathered."""
+  attention, over `sequence` alone (the parameters' gathers span fsdp and sequence), in every
+  layer; no (rows, 32 positions, width) or MLP-hidden activation is gathered."""
   config = tiny_config("fsdp_cp", "fsdp:2,sequence:4")
   model = config.model
-  gathers = _all_gathers(config)
+  setup = training.build(config)
+  train, _ = step_lib.jit_step(setup.step, setup.layout, setup.batches.abstract(),
+                               setup.spec.mesh)
+  gathers = _all_gathers(train.lower(setup.layout.abstract, setup.batches.abstract()).compile(),
+                         setup.spec.mesh)
   kv = f"f32[8,32,{model.n_kv_heads},{model.d_model // model.n_heads}]"
-  in_attention = [name for shape, name in gathers if shape == kv]
-  assert len(in_attention) >= 2 and all("shard_map" in name for name in in_attention), gathers
-  whole_length = [(shape, name) for shape, name in gathers
-                  if shape.startswith("f32[8,32,") and shape != kv]
-  assert not whole_length, whole_length
+  in_attention = _keys_values(gathers, kv)
+  assert len(in_attention) >= 2, gathers
+  assert all(g.axes == ("sequence",) and not g.partial for g in in_attention), in_attention
+  # Keys and values of each layer: the layer loop's trip count is in each gather's count.
+  assert sum(g.count * _arrays(g).count(kv) for g in in_attention) >= 2 * model.n_layers, (
+      in_attention)
+  assert not _whole_length(gathers, kv), gathers
+
+
+def test_the_gather_patterns_match_when_the_residual_stream_is_gathered():
+  """The negative control of the test above: the same reading finds a (rows, 32 positions,
+  width) activation and a key/value-shaped array gathered over `sequence`, and tells a
+  parameter gathered over fsdp and sequence apart from both."""
+  mesh = sharding.make_mesh([("fsdp", 2), ("sequence", 4)])
+  split = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(
+      mesh, P("fsdp", "sequence") if len(shape) > 2 else P(("fsdp", "sequence"))))
+  gather = jax.jit(lambda *xs: [x * 2 for x in xs], out_shardings=[
+      NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P())])
+  kv = "f32[8,32,2,8]"
+  gathers = _all_gathers(gather.lower(split(16, 32, 32), split(16, 32, 2, 8),
+                                      split(32, 64)).compile(), mesh)
+  assert _whole_length(gathers, kv) == ["f32[8,32,32]"], gathers
+  assert [g.axes for g in _keys_values(gathers, kv)] == [("sequence",)], gathers
+  weights = [g for g in gathers if "f32[32,64]" in _arrays(g)]
+  assert [g.axes for g in weights] == [("fsdp", "sequence")], gathers
 
 
 def _refused(ici, devices=8, **fields):
