@@ -1,6 +1,7 @@
 """Llama-style decoder LM on byte-level text (CPython's own documentation, no download).
 
-Launch (the `make demo` job, 8 simulated devices; 3.8 min measured on 2 quiet CPU cores):
+Launch (the `make demo` job, 8 simulated devices; 1.9-7.9 min on 2 CPU cores: 1.9 and 3.8 min
+measured quiet, 7.9 at a load average of ~13):
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
     python -m toolkit.train --config=experiments/lm.py:cpu --workdir=runs/lm_cpu
@@ -41,7 +42,7 @@ halving (cpu with successive halving from step 25), tiny (the unit tests' 4-tria
 """
 import dataclasses
 
-from models.llama import PRESETS as MODEL_PRESETS
+from models.llama_config import PRESETS as MODEL_PRESETS
 from toolkit.tuning import search
 from toolkit.training.config import defaults
 

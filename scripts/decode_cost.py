@@ -22,7 +22,7 @@ from absl import app, flags
 def define_flags() -> None:
   """The command's flags, defined only when it runs as a script: tests import this module
   beside other scripts whose flags share names (--mesh, --rules)."""
-  flags.DEFINE_string("model", "7b", "Model preset (models.llama.PRESETS).")
+  flags.DEFINE_string("model", "7b", "Model preset (models.llama_config.PRESETS).")
   flags.DEFINE_string("topology", "v5e-8", "TPU type (v5e-8, v5p-8, ...) or cpu:N.")
   flags.DEFINE_string("mesh", "data:1,fsdp:-1,tensor:2", "Mesh axes (-1 fills).")
   flags.DEFINE_string("rules", "fsdp_tp", "Sharding preset.")
