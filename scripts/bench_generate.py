@@ -160,6 +160,7 @@ def main(argv) -> None:
   import sharding  # pylint: disable=g-import-not-at-top
   from models import Llama, LlamaConfig  # pylint: disable=g-import-not-at-top
   from toolkit.inference import engine as engine_lib  # pylint: disable=g-import-not-at-top
+  from toolkit.pod.report import human_count  # pylint: disable=g-import-not-at-top
 
   cfg = LlamaConfig.preset(_MODEL.value)
   params = nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(params=0)), nnx.Param))
@@ -172,7 +173,7 @@ def main(argv) -> None:
     raise app.UsageError(f"--prompt_length + --decode_steps + 1 = {prompt_length + steps + 1} "
                          f"exceeds --cache_length={cache_length}")
   engine = engine_lib.Engine(cfg, params, mesh, rules, cache_length)
-  print(f"model {_MODEL.value} ({cfg.num_params() / 1e6:.2f} M params), {len(devices)} "
+  print(f"model {_MODEL.value} ({human_count(cfg.num_params())} parameters), {len(devices)} "
         f"device(s) {jax.devices()[0].device_kind}, mesh {dict(mesh.shape)}, rules {rules.name}; "
         f"prompt {prompt_length}, {steps} decode steps, cache {cache_length}", flush=True)
   rng = np.random.default_rng(0)

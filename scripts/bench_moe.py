@@ -34,6 +34,7 @@ import jax  # noqa: E402  pylint: disable=wrong-import-position
 
 from experiments import lm, moe  # noqa: E402  pylint: disable=wrong-import-position
 from toolkit import training  # noqa: E402  pylint: disable=wrong-import-position
+from toolkit.pod.report import human_count  # noqa: E402  pylint: disable=wrong-import-position
 from toolkit.training import state as state_lib, step as step_lib  # noqa: E402
 
 _SIZE = flags.DEFINE_enum("size", "tiny", ["tiny", "cpu"], "Model sizes: tiny (moe_tiny vs "
@@ -80,7 +81,7 @@ def benchmark(found: dict, rounds: int, steps_per_round: int, warmup_steps: int)
     tokens[name] = config.data.global_batch_size * config.data.seq_len
     states[name], per_step = _run_steps(steps[name], states[name], batches[name], warmup_steps)
     _progress(f"{name}: compiled in {time.perf_counter() - start:.1f} s, warm-up "
-              f"{per_step * 1e3:.0f} ms/step; {setup.spec.model.num_params():,} parameters, "
+              f"{per_step * 1e3:.0f} ms/step; {human_count(setup.spec.model.num_params())} parameters, "
               f"mesh {dict(setup.spec.mesh.shape)}")
   names = list(found)
   seconds = {name: [] for name in names}

@@ -82,6 +82,7 @@ def main() -> None:
   from absl import app, flags  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from toolkit import command_line  # pylint: disable=g-import-not-at-top
+  from toolkit.pod.report import human_count  # pylint: disable=g-import-not-at-top
   out = flags.DEFINE_string("out", None, "Required. The new model folder.")
   seed = flags.DEFINE_integer("seed", 0, "Seed of the random weights.")
 
@@ -94,8 +95,8 @@ def main() -> None:
     except ImportError:
       command_line.fail("this script needs transformers and torch: pip install -e '.[test]'")
     model = write(out.value, seed.value)
-    print(f"wrote {out.value}: LlamaForCausalLM, {model.num_parameters():,} parameters, byte "
-          f"tokenizer (BOS {BOS}, EOS {EOS})")
+    print(f"wrote {out.value}: LlamaForCausalLM, {human_count(model.num_parameters())} "
+          f"parameters, byte tokenizer (BOS {BOS}, EOS {EOS})")
 
   app.run(run, flags_parser=lambda argv: command_line.parse_flags(
       argv, required={"out": "a new folder, e.g. --out=runs/hf_tiny"}))

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 import sharding
 from models import Llama, LlamaConfig
 from models import attention
+from tests import extras
 from tests.tiny_runs import TOLERANCE, assert_trees_close, tiny_config, train_steps
 from toolkit.training import step as step_lib
 
@@ -150,12 +151,45 @@ def test_auto_picks_by_platform_and_shape(platform, dtype, head_dim, length, exp
   assert attention.resolve("xla", shape, shape, dtype, on=platform) == "xla"
 
 
-def test_auto_follows_the_active_mesh_platform():
-  """Compiling for a TPU from a CPU host: the mesh's devices decide, not the host."""
-  assert attention.platform() == "cpu"
-  mesh = sharding.make_mesh([("fsdp", 8)])
+# A shape every platform has its own pick for: splash on TPU, cudnn on GPU, blockwise on CPU.
+LONG = (1, 4096, 8, 128)
+
+
+def _auto_under(mesh) -> tuple[str, str]:
+  """(platform, what "auto" resolves to) for LONG in bfloat16 under `mesh`'s activation rules,
+  the platform left for `resolve` to find, as the model leaves it."""
   with sharding.activation_rules(sharding.Rules.preset("fsdp"), mesh):
-    assert attention.platform() == mesh.devices.flat[0].platform == "cpu"
+    return attention.platform(), attention.resolve("auto", LONG, LONG, jnp.bfloat16)
+
+
+class _FakeGpu:
+  """Stands in for a GPU in a mesh: the selection only reads the devices' platform."""
+  platform, device_kind = "gpu", "fake GPU"
+
+  def __init__(self, index: int):
+    self.id = index
+
+
+def test_auto_follows_the_active_mesh_platform():
+  """Compiling for another platform from a CPU host: the mesh's devices decide, not the
+  host. Outside any mesh (and under a CPU mesh) it is the host's CPU; under a mesh of GPU
+  devices, cudnn (a mesh of TPU devices: the tpu_aot test below)."""
+  assert attention.platform() == "cpu"
+  assert attention.resolve("auto", LONG, LONG, jnp.bfloat16) == "blockwise"
+  assert _auto_under(sharding.make_mesh([("fsdp", 8)])) == ("cpu", "blockwise")
+  gpus = jax.sharding.Mesh(np.array([_FakeGpu(i) for i in range(8)]), ("fsdp",))
+  assert _auto_under(gpus) == ("gpu", "cudnn")
+  assert attention.platform() == "cpu"  # the mesh's platform ends with its rules
+
+
+@pytest.mark.tpu_aot
+def test_auto_picks_splash_under_a_mesh_of_tpu_devices():
+  """A mesh of a v5e-8's compile-only devices (libtpu, as toolkit.compile uses them)."""
+  extras.require("libtpu")
+  from toolkit.pod import target as target_lib  # pylint: disable=g-import-not-at-top
+  target_lib.prepare_libtpu_environment()
+  tpus = target_lib.target_for("v5litepod-8").devices
+  assert _auto_under(sharding.make_mesh([("fsdp", 8)], devices=tpus)) == ("tpu", "splash")
 
 
 def test_splash_refuses_lengths_it_cannot_tile():

@@ -10,6 +10,7 @@ from experiments import vit as vit_experiment
 from models import ViT, ViTConfig
 from models.vit import patchify
 from sharding.axes import LOGICAL_AXES
+from tests import extras
 from tests.tiny_runs import TOLERANCE, assert_trees_close, train_steps
 from toolkit.training import state as state_lib, step as step_lib
 from toolkit import training
@@ -124,7 +125,7 @@ def test_b16_compiles_for_a_tpu_slice():
   compiled ahead of time from this CPU machine, with its memory per chip."""
   from toolkit.pod import target as target_lib  # pylint: disable=g-import-not-at-top
   if target_lib.libtpu_missing_reason():
-    pytest.skip(target_lib.libtpu_missing_reason())
+    extras.require("libtpu")
   target_lib.prepare_libtpu_environment()
   config = vit_experiment.get_config("b16")
   config.data.global_batch_size = 1024

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from tests import extras
 from toolkit import accelerators
 from toolkit.pod import target
 
@@ -212,7 +213,7 @@ def test_ahead_of_time_compile_arguments():
 @pytest.mark.tpu_aot
 @pytest.mark.parametrize("name", ["v5litepod-16", "v4-16", "v5p-16", "v6e-16"])
 def test_libtpu_accepts_the_compile_arguments(name):
-  pytest.importorskip("libtpu")
+  extras.require("libtpu")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   # As toolkit.compile does: without it libtpu takes /tmp/libtpu_lockfile, and fails while
   # any other process on the machine (another test run) holds it.

@@ -4,7 +4,10 @@ a local cache copy, reused on the next read); an export to a bucket (and an impo
 gives the same files byte for byte as the local ones; a failed upload leaves no objects; a plan
 file round-trips through a bucket; toolkit.compile writes its --json and --hlo there; token
 shards in a bucket give the same batches as the local shards; and a missing bucket is one
-ConfigError line wherever a path is given."""
+ConfigError line wherever a path is given.
+
+The Hugging Face folders are built by transformers (torch): only the tests that read or write
+one (`converted`, `_hf_reference`) need the test extra's torch; the rest run without it."""
 from __future__ import annotations
 
 import json
@@ -19,7 +22,6 @@ import pytest
 
 from experiments import hf as hf_experiment
 from tests.toolkit.data.test_pipeline import REPO, lm_config, token_dir  # noqa: F401  (fixture)
-from tests.toolkit.hf import reference
 from toolkit import conversion, training
 from toolkit import workdir as workdir_lib
 from toolkit.compile import _check_outputs
@@ -38,6 +40,13 @@ def _upload(folder, url: str) -> None:
   """Every file directly in the local `folder` as an object under `url`."""
   for name in sorted(os.listdir(folder)):
     workdir_lib.write_bytes(f"{url}/{name}", (folder / name).read_bytes())
+
+
+def _hf_reference():
+  """The Hugging Face test helpers (tests/toolkit/hf/reference.py), which import torch and
+  transformers: a skip without them, a failure under CI=true (tests/extras.py)."""
+  from tests.toolkit.hf import reference  # pylint: disable=g-import-not-at-top
+  return reference
 
 
 def _files(folder) -> dict[str, bytes]:
@@ -59,7 +68,7 @@ def cache(tmp_path, monkeypatch):
 def converted(tmp_path_factory):
   """(HF folder, workdir imported from it onto fsdp_tp, HF folder exported from that), local."""
   root = tmp_path_factory.mktemp("gcs_paths")
-  reference.write_folder(root / "hf", NAME)
+  _hf_reference().write_folder(root / "hf", NAME)
   conversion.import_checkpoint(str(root / "hf"), str(root / "workdir"), _config())
   conversion.export_checkpoint(str(root / "workdir"), str(root / "exported"))
   return root / "hf", root / "workdir", root / "exported"
@@ -80,6 +89,7 @@ def test_hf_folder_in_a_bucket_reads_the_same_params_from_a_cached_copy(
   local, _, _ = converted
   url = f"gs://{gcs_bucket}/models/tiny"
   _upload(local, url)
+  reference = _hf_reference()
   from_local, cfg, _ = reference.import_params(local)
   from_bucket, cfg_bucket, _ = reference.import_params(url)
   assert cfg_bucket == cfg
@@ -191,12 +201,13 @@ def test_compile_writes_its_json_and_hlo_to_a_bucket(gcs_server, gcs_bucket):
 
 @pytest.mark.parametrize("where", ["hf", "export", "import_workdir", "plan", "tokens",
                                    "compile_json"])
-def test_a_missing_bucket_is_one_config_error_line(where, gcs_server, converted):
-  local, workdir, _ = converted
+def test_a_missing_bucket_is_one_config_error_line(where, gcs_server, request):
+  converted = lambda: request.getfixturevalue("converted")  # only where a folder is read
   calls = {
       "hf": lambda: folder_lib.HFFolder(MISSING, "--hf"),
-      "export": lambda: conversion.export_checkpoint(str(workdir), MISSING),
-      "import_workdir": lambda: conversion.import_checkpoint(str(local), MISSING, _config()),
+      "export": lambda: conversion.export_checkpoint(str(converted()[1]), MISSING),
+      "import_workdir": lambda: conversion.import_checkpoint(str(converted()[0]), MISSING,
+                                                             _config()),
       "plan": lambda: plan_lib.load_plan(MISSING),
       "tokens": lambda: shards.TokenStream(MISSING, "train"),
       "compile_json": lambda: _check_outputs({"json": MISSING, "hlo": None, "plan": False}),

@@ -2,11 +2,11 @@
 images (`images`), Grain pipelines over them (`grain_batches`), and how batches reach the
 devices (`feed`). `from_config(config, spec)` picks the batches a run reads."""
 from toolkit.data.feed import BatchIterator, local_rows
-from toolkit.data.inputs import from_config
+from toolkit.data.inputs import from_config, token_unit
 from toolkit.data.text import Batches, decode, encode
 
 __all__ = ["Batches", "BatchIterator", "GrainBatches", "decode", "encode", "from_config",
-           "local_rows"]
+           "local_rows", "token_unit"]
 
 
 def __getattr__(name: str):

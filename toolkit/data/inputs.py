@@ -54,3 +54,15 @@ def from_config(config, spec) -> text.Batches | GrainBatches:
                "labels": ((), np.int32), "weights": ((), np.float32)}
   return GrainBatches(train, held_out, train_ops, [normalize, ImagesToModel()], row_specs,
                       eval_batches=None, pad_eval=True, **common)
+
+
+def token_unit(config) -> str:
+  """What one token of an LM's data is: "byte" for CPython's docs and for token shards written
+  byte-level (scripts/prepare_text.py's default), else "token" (a tokenizer's shards, random
+  synthetic tokens). An LM's loss / ln 2 is bits per that unit."""
+  d = config.data
+  if d.source == "stdlib_docs":
+    return "byte"
+  if d.source == "tokens":
+    return "byte" if shards.read_meta(d.path).get("tokenizer") == "bytes" else "token"
+  return "token"

@@ -35,6 +35,23 @@ class Report:
     return format_report(self)
 
 
+_COUNT_UNITS = (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3))
+
+
+def human_count(n: float) -> str:
+  """A count (of parameters) in the unit that reads best: 0.85 M, 1.2 B, 136.6 K, 512.
+
+  The unit is the largest of K, M, B, T that the count reaches half of (so 850,000 is
+  0.85 M, as the docs write a 0.9 M-parameter model, and 136,600 is 136.6 K); one decimal,
+  two below 1. Below 500 the count itself."""
+  sign, n = ("-" if n < 0 else ""), abs(float(n))
+  for unit, size in _COUNT_UNITS:
+    if n >= size / 2:
+      value = n / size
+      return f"{sign}{value:.2f} {unit}" if round(value, 2) < 1 else f"{sign}{value:.1f} {unit}"
+  return f"{sign}{n:.0f}"
+
+
 def human_bytes(n: float | None) -> str:
   if n is None:
     return "-"
@@ -63,7 +80,7 @@ def _run_lines(r: Report) -> list[str]:
   mesh = " ".join(f"{k}={v}" for k, v in run["mesh"].items())
   lines = [
       f"target     {r.target['description']}",
-      f"model      {run['params'] / 1e9:.3f} B parameters, d_model {run['d_model']}, "
+      f"model      {human_count(run['params'])} parameters, d_model {run['d_model']}, "
       f"{run['n_layers']} layers, vocab {run['vocab_size']}; {run['param_dtype']} parameters, "
       f"{run['compute_dtype']} compute, remat {run['remat']}"
       f"{', scanned layers' if run['scan_layers'] else ''}",

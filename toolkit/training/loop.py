@@ -24,7 +24,7 @@ from toolkit.training import checkpoint, goodput as goodput_lib, init_from, inte
 from toolkit.training import metrics as metrics_lib, profiler as profiler_lib
 from toolkit.training import programs as programs_lib, resume
 from toolkit.training import state as state_lib, step as step_lib, storage, tasks
-from toolkit.training.setup import Setup, build, peak_flops_total, work_per_step
+from toolkit.training.setup import Setup, build, peak_flops_total, units_of, work_per_step
 
 
 class NonFiniteLoss(RuntimeError):
@@ -248,6 +248,7 @@ class Run:
     self.units_per_step, self.flops_per_step = work_per_step(self.config, self.setup)
     self.peak_flops_total = peak_flops_total(self.config, self.setup.spec.mesh, self.programs)
     self.config_dict = checkpoint.config_to_dict(self.config)
+    self.units = units_of(self.config, self.setup)
 
 
 def train_loop(run_: Run, state, train_step, start_step: int, data_position: dict | None):
@@ -354,7 +355,7 @@ def flush(run_: Run, pending: list, interval: Interval) -> None:
   log(metrics_lib.progress_line(pending[-1][0], run_.config.train.steps, values,
                                 seconds / len(pending), run_.units_per_step,
                                 run_.flops_per_step, run_.peak_flops_total,
-                                unit=run_.setup.task.unit))
+                                unit=run_.setup.task.unit, units=run_.units))
   pending.clear()
   interval.restart()
 
@@ -371,16 +372,13 @@ def _evaluate(run_: Run, state, at_step: int) -> None:
   outputs = [run_.eval_step(state, batches.eval_batch(i)) for i in range(batches.eval_batches)]
   summary = setup.task.summarize(jax.device_get(outputs))
   scalars = {k: v for k, v in summary.items() if isinstance(v, float)}
-  loss = result.eval_losses[at_step] = scalars["loss"]
+  result.eval_losses[at_step] = scalars["loss"]
   result.eval_metrics[at_step] = scalars
   run_.writer.write(at_step, "eval", scalars)
-  if setup.task.name == "lm":
-    log(f"eval at step {at_step}: loss {loss:.4f} ({loss / math.log(2):.3f} bits per byte)")
-    return
-  result.confusion = tasks.confusion_matrix(summary["labels"], summary["predictions"],
-                                            setup.spec.model.num_classes)
-  log(f"eval at step {at_step}: loss {loss:.4f}, accuracy {scalars['accuracy']:.2%} "
-      f"({int(scalars['examples'])} held-out examples)")
+  if setup.task.name != "lm":
+    result.confusion = tasks.confusion_matrix(summary["labels"], summary["predictions"],
+                                              setup.spec.model.num_classes)
+  log(metrics_lib.eval_line(at_step, scalars, run_.units))
 
 
 def save(run_: Run, at_step: int, state, position: dict) -> None:
@@ -463,7 +461,8 @@ def write_plots(run_: Run, workdir: str) -> None:
   if jax.process_index() != 0:
     return
   try:
-    plot = metrics_lib.plot_loss_curve(run_.writer.path, workdir_lib.join(workdir, "loss.png"))
+    plot = metrics_lib.plot_loss_curve(run_.writer.path, workdir_lib.join(workdir, "loss.png"),
+                                       run_.units)
     if plot:
       log(f"loss curve: {plot}")
     result = run_.result

@@ -3,6 +3,7 @@ progress line, and a loss-curve PNG. Only process 0 writes; a write that fails i
 StorageError."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -18,6 +19,24 @@ from toolkit import workdir as workdir_lib
 from toolkit.training import storage
 
 
+@dataclasses.dataclass(frozen=True)
+class Units:
+  """The labels of a run's losses, the same wherever they are shown (the eval line on the
+  console, loss.png, docs/training.md): `loss` for the loss itself, in nats per token for an LM
+  (per image for a classifier), as metrics.jsonl and TensorBoard hold it; `bits` for an LM's
+  loss / ln 2, in bits per byte when its tokens are bytes, else bits per token (None for a
+  classifier)."""
+  loss: str = "nats per token"
+  bits: str | None = "bits per byte"
+
+  @classmethod
+  def of(cls, task_unit: str, token: str | None = None) -> Units:
+    """`task_unit`: what the task counts ("tok" or "img", Task.unit); `token`: what one of an
+    LM's tokens is ("byte" or "token", toolkit.data.inputs.token_unit), None for a classifier."""
+    per = {"tok": "token", "img": "image"}.get(task_unit, task_unit)
+    return cls(f"nats per {per}", f"bits per {token}" if token else None)
+
+
 def format_duration(seconds: float) -> str:
   seconds = max(0, int(seconds))
   hours, rest = divmod(seconds, 3600)
@@ -27,11 +46,12 @@ def format_duration(seconds: float) -> str:
 
 def progress_line(step: int, total: int, metrics: dict[str, float], step_seconds: float,
                   tokens_per_step: int, flops_per_step: float, peak_flops_total: float,
-                  unit: str = "tok") -> str:
-  """`tokens_per_step` counts `unit`s (tokens, or images for a classifier); a
-  `data_wait_fraction` in `metrics` is shown as the share of step time spent waiting for data."""
+                  unit: str = "tok", units: Units = Units()) -> str:
+  """`tokens_per_step` counts `unit`s (tokens, or images for a classifier); the loss is
+  labelled with `units.loss`; a `data_wait_fraction` in `metrics` is shown as the share of step
+  time spent waiting for data."""
   tokens_per_second = tokens_per_step / step_seconds if step_seconds > 0 else float("nan")
-  parts = [f"step {step}/{total}", f"loss {metrics['loss']:.4f}",
+  parts = [f"step {step}/{total}", f"loss {metrics['loss']:.4f} {units.loss}",
            f"lr {metrics['learning_rate']:.2e}", f"grad_norm {metrics['grad_norm']:.3f}",
            f"step {step_seconds * 1000:.0f} ms", f"{tokens_per_second:,.0f} {unit}/s"]
   if "data_wait_fraction" in metrics:
@@ -40,6 +60,17 @@ def progress_line(step: int, total: int, metrics: dict[str, float], step_seconds
     parts.append(f"MFU {flops_per_step / step_seconds / peak_flops_total:.1%}")
   parts.append(f"ETA {format_duration((total - step) * step_seconds)}")
   return " | ".join(parts)
+
+
+def eval_line(step: int, scalars: dict[str, float], units: Units) -> str:
+  """The console's line for one eval: the loss in `units`, then for an LM the same loss in
+  bits, for a classifier its accuracy."""
+  loss = scalars["loss"]
+  if "accuracy" in scalars:
+    return (f"eval at step {step}: loss {loss:.4f} {units.loss}, accuracy "
+            f"{scalars['accuracy']:.2%} ({int(scalars['examples'])} held-out examples)")
+  return (f"eval at step {step}: loss {loss:.4f} {units.loss} "
+          f"({loss / math.log(2):.3f} {units.bits})")
 
 
 def throughput(step_seconds: float, units_per_step: int, flops_per_step: float,
@@ -176,10 +207,10 @@ def _points(records: list[dict], kind: str, name: str) -> list[tuple[int, float]
   return sorted({r["step"]: r[name] for r in records if r["kind"] == kind and name in r}.items())
 
 
-def plot_loss_curve(metrics_path: str, png_path: str) -> str | None:
-  """Train and eval loss vs step from the JSONL file, in nats as on the console and in
-  metrics.jsonl; beside it on a right axis, bits per token (loss / ln 2) for an LM, or the
-  eval accuracy for a classifier."""
+def plot_loss_curve(metrics_path: str, png_path: str, units: Units = Units()) -> str | None:
+  """Train and eval loss vs step from the JSONL file, labelled in `units` as on the console:
+  the loss (nats per token) on the left axis and, on a right axis, the same curves as
+  `units.bits` (loss / ln 2) for an LM, or the eval accuracy for a classifier."""
   records = read_metrics(metrics_path)
   if not records or jax.process_index() != 0:
     return None
@@ -193,7 +224,7 @@ def plot_loss_curve(metrics_path: str, png_path: str) -> str | None:
       ax.plot([s for s, _ in points], [l for _, l in points], style, label=f"{kind} loss")
   ax.set_title(os.path.basename(os.path.dirname(workdir_lib.absolute(metrics_path))))
   ax.set_xlabel("step")
-  ax.set_ylabel("loss (nats)")
+  ax.set_ylabel(f"loss ({units.loss})")
   ax.grid(alpha=0.3)
   accuracy = _points(records, "eval", "accuracy")
   if accuracy:
@@ -202,10 +233,10 @@ def plot_loss_curve(metrics_path: str, png_path: str) -> str | None:
                label="eval accuracy")
     right.set_ylabel("eval accuracy")
     right.legend(loc="center right")
-  else:
+  elif units.bits:
     ax.secondary_yaxis("right", functions=(lambda nats: nats / math.log(2),
                                            lambda bits: bits * math.log(2))
-                       ).set_ylabel("bits per token")
+                       ).set_ylabel(f"loss ({units.bits})")
   ax.legend(loc="upper right")
   fig.tight_layout()
   save_figure(fig, png_path)

@@ -14,7 +14,8 @@ import optax
 
 from toolkit import accelerators
 from toolkit import data as data_lib
-from toolkit.training import config as config_lib, state as state_lib, step as step_lib, tasks
+from toolkit.training import config as config_lib, metrics as metrics_lib, state as state_lib
+from toolkit.training import step as step_lib, tasks
 from toolkit.training.programs import Programs
 
 
@@ -86,3 +87,10 @@ def work_per_step(config: ml_collections.ConfigDict, setup: Setup) -> tuple[int,
     return tokens, model_cfg.flops_per_token(config.data.seq_len) * tokens
   examples = config.data.global_batch_size
   return examples, model_cfg.flops_per_example() * examples
+
+
+def units_of(config: ml_collections.ConfigDict, setup: Setup) -> metrics_lib.Units:
+  """How the run's losses are labelled: nats per token (per image for a classifier) and, for an
+  LM, bits per byte on byte-level data, else bits per token."""
+  token = data_lib.token_unit(config) if setup.task.name == "lm" else None
+  return metrics_lib.Units.of(setup.task.unit, token)

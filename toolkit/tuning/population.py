@@ -337,7 +337,7 @@ def run(configs: Sequence[ml_collections.ConfigDict], workdirs: Sequence[str], u
     trials.close()
   for workdir in workdirs:
     metrics_lib.plot_loss_curve(os.path.join(workdir, "metrics.jsonl"),
-                                os.path.join(workdir, "loss.png"))
+                                os.path.join(workdir, "loss.png"), trials.units)
   seconds = time.perf_counter() - started
   return [TrialOutcome(start_step=start, final_step=until, diverged_at=d, seconds=seconds)
           for d in trials.diverged]
@@ -356,6 +356,7 @@ class _Trials:
     self.diverged: list[int | None] = [None] * pop.size
     data = configs[0].data
     self.tokens_per_step = data.global_batch_size * data.seq_len * pop.size
+    self.units = setup_lib.units_of(configs[0], pop.setup)  # the trials share their data
     self.train_step = self.eval_step = None
 
   def restore_or_init(self):
@@ -385,7 +386,7 @@ class _Trials:
       losses.append(scalars["loss"])
     if losses:
       self.log(f"eval at step {at_step}: loss best {min(losses):.4f} / median "
-               f"{float(np.median(losses)):.4f} over {len(losses)} trials")
+               f"{float(np.median(losses)):.4f} {self.units.loss} over {len(losses)} trials")
 
   def flush(self, pending: list, since: float) -> None:
     fetched = jax.device_get([m for _, m in pending])

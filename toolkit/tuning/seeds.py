@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import statistics
 import time
@@ -130,7 +129,9 @@ def write(results: Sequence[SeedResult], workdir: str) -> dict[str, str]:
 
 
 def plot_curves(results: Sequence[SeedResult], path: str) -> str:
-  """Every seed's held-out accuracy (or loss, for models without one) against the step."""
+  """Every seed's held-out accuracy (or loss, for models without one) against the step, in
+  the units the legend, the title and the report give it: percent, or nats per token (the
+  loss as metrics.jsonl holds it)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -138,14 +139,15 @@ def plot_curves(results: Sequence[SeedResult], path: str) -> str:
   fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
   for r in results:
     points = sorted((step, m[name]) for step, m in r.curve.items() if name in m)
-    scale = 100 if name == "accuracy" else 1 / math.log(2)
+    scale = 100 if name == "accuracy" else 1
     ax.plot([s for s, _ in points], [v * scale for _, v in points], "o-", ms=3,
             label=f"seed {r.seed}: {_value(name, r.metrics[name])}")
   spread = summarize(results)[name]
   ax.set_title(f"held-out {name} over {len(results)} seeds: {_value(name, spread.mean)} "
                f"+- {_value(name, spread.std)}")
   ax.set_xlabel("step")
-  ax.set_ylabel("accuracy (%)" if name == "accuracy" else "loss (bits per token)")
+  ax.set_ylabel("held-out accuracy (%)" if name == "accuracy"
+                else f"held-out loss ({metrics_lib.Units().loss})")
   if name == "accuracy":
     ax.set_ylim(max(0.0, 100 * spread.low - 10), 100)
   ax.grid(alpha=0.3)

@@ -12,16 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from flax import nnx
 
 import sharding
 from models import LlamaConfig
+from tests import extras
 from toolkit import hf
 from toolkit.training import state as state_lib
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = extras.require("torch")  # a skip without the test extra, a failure under CI=true
+transformers = extras.require("transformers")
 from scripts import tiny_hf_model  # noqa: E402  pylint: disable=wrong-import-position
 
 HF_PARITY = 1e-4   # max |logit difference|, float32 (issue 12)

@@ -34,7 +34,9 @@ def _imported(name, tmp_path_factory):
   return _IMPORTED[name]
 
 
-@pytest.fixture(scope="module", params=sorted(reference.CONFIGS))
+@pytest.fixture(scope="module", params=[
+    pytest.param(name, marks=pytest.mark.smoke) if name == HARDEST else name
+    for name in sorted(reference.CONFIGS)])
 def imported(request, tmp_path_factory):
   return _imported(request.param, tmp_path_factory)
 

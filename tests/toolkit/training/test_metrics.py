@@ -1,11 +1,16 @@
 """The metric writer's TensorBoard output without torch: tensorboardX's package imports torch
 whenever it is installed (1.4 s of a restart's time to its first step), so the writer loads
 tensorboardX with torch hidden. Likewise the training command imports Grain only for the data
-that reads through it. Checked in a fresh process: this one may have imported both."""
+that reads through it. Checked in a fresh process: this one may have imported both. And the
+losses' units: one label for each on the console and in loss.png."""
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
+
+import pytest
 
 from tests.toolkit.test_cli import REPO, _env
 
@@ -39,3 +44,64 @@ def test_training_imports_and_tensorboard_scalars_without_torch_or_grain(tmp_pat
                           env=_env(), capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode == 0, result.stdout + result.stderr
   assert result.stdout.splitlines()[0] == "[(7, 'train/loss', 2.5)]", result.stdout
+
+
+def _y_labels(fig) -> list[str]:
+  """Every y-axis label of a figure: its axes' and their secondary axes'."""
+  return [label for ax in fig.axes
+          for label in [ax.get_ylabel(), *(child.get_ylabel() for child in ax.child_axes)]]
+
+
+def test_losses_carry_one_unit_on_the_console_and_in_the_plot(tmp_path, monkeypatch):
+  """The eval line and loss.png label the loss alike: nats per token, and an LM's loss / ln 2
+  in bits per byte on byte-level data (bits per token otherwise); a classifier's loss in nats
+  per image beside its accuracy. The progress line's loss is the same number as the train
+  curve, the eval line's as the eval points."""
+  from toolkit.training import metrics  # pylint: disable=g-import-not-at-top
+  byte_lm, token_lm, classifier = (metrics.Units.of("tok", "byte"),
+                                   metrics.Units.of("tok", "token"), metrics.Units.of("img"))
+  assert byte_lm == metrics.Units("nats per token", "bits per byte") == metrics.Units()
+  assert token_lm == metrics.Units("nats per token", "bits per token")
+  assert classifier == metrics.Units("nats per image", None)
+  assert (metrics.eval_line(300, {"loss": 2 * math.log(2)}, byte_lm)
+          == "eval at step 300: loss 1.3863 nats per token (2.000 bits per byte)")
+  assert (metrics.eval_line(10, {"loss": 3 * math.log(2)}, token_lm)
+          == "eval at step 10: loss 2.0794 nats per token (3.000 bits per token)")
+  assert (metrics.eval_line(5, {"loss": 0.5, "accuracy": 0.9, "examples": 40.0}, classifier)
+          == "eval at step 5: loss 0.5000 nats per image, accuracy 90.00% (40 held-out examples)")
+  step = {"loss": 0.5, "learning_rate": 1e-3, "grad_norm": 1.0}
+  assert metrics.progress_line(1, 2, step, 0.1, 100, 0.0, 0.0, units=byte_lm).startswith(
+      "step 1/2 | loss 0.5000 nats per token | lr 1.00e-03 |")
+  assert metrics.progress_line(1, 2, step, 0.1, 100, 0.0, 0.0, unit="img", units=classifier
+                               ).startswith("step 1/2 | loss 0.5000 nats per image |")
+
+  figures = []
+  monkeypatch.setattr(metrics, "save_figure", lambda fig, path: figures.append(fig))
+  records = [{"step": 1, "kind": "train", "loss": 5.0}, {"step": 2, "kind": "train", "loss": 4.0},
+             {"step": 0, "kind": "eval", "loss": 5.5}, {"step": 2, "kind": "eval", "loss": 4.1}]
+  lm_metrics = tmp_path / "lm.jsonl"
+  lm_metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+  for units in (byte_lm, token_lm):
+    metrics.plot_loss_curve(str(lm_metrics), str(tmp_path / "loss.png"), units)
+    assert _y_labels(figures[-1]) == [f"loss ({units.loss})", f"loss ({units.bits})"]
+  vit_metrics = tmp_path / "vit.jsonl"
+  vit_metrics.write_text("".join(json.dumps({**r, **({"accuracy": 0.5} if r["kind"] == "eval"
+                                                      else {})}) + "\n" for r in records))
+  metrics.plot_loss_curve(str(vit_metrics), str(tmp_path / "loss.png"), classifier)
+  assert _y_labels(figures[-1]) == ["loss (nats per image)", "eval accuracy"]
+
+
+@pytest.mark.parametrize("source, tokenizer, unit", [
+    ("stdlib_docs", None, "byte"), ("synthetic", None, "token"), ("tokens", "bytes", "byte"),
+    ("tokens", "path/to/tokenizer.json", "token")])
+def test_what_one_token_is_follows_the_data(tmp_path, source, tokenizer, unit):
+  """Bits per byte only where the tokens are bytes: the built-in docs and byte-level shards."""
+  from experiments import lm  # pylint: disable=g-import-not-at-top
+  from toolkit import data  # pylint: disable=g-import-not-at-top
+  config = lm.get_config("tiny")
+  config.data.source = source
+  if tokenizer:
+    (tmp_path / "meta.json").write_text(json.dumps({"format": "meshkit-tokens-v1",
+                                                    "tokenizer": tokenizer}))
+    config.data.path = str(tmp_path)
+  assert data.token_unit(config) == unit

@@ -21,9 +21,24 @@ from toolkit.errors import ConfigError
 from toolkit.training import checkpoint, integrity, resume, step as step_lib
 
 
-def _biggest_array_file(step_dir: str) -> str:
-  files = glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)
-  return max(files, key=os.path.getsize)
+def _array_files(step_dir: str) -> list[str]:
+  """Every data file of the step's state. An OCDBT step holds several (state/d/* and
+  state/ocdbt.process_0/d/*), and which of them a restore reads depends on how the save went:
+  damaging only one (the biggest, say) could hit a file the restore never reads. Damaging all
+  of them makes the damage certain to be read."""
+  files = sorted(glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True))
+  assert files, f"no array files under {step_dir}/state"
+  return files
+
+
+def _truncate_array_files(step_dir: str) -> None:
+  for path in _array_files(step_dir):
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def _delete_array_files(step_dir: str) -> None:
+  for path in _array_files(step_dir):
+    os.remove(path)
 
 
 def _garbage(path: str) -> None:
@@ -41,8 +56,10 @@ def _flip_bytes(path: str, count: int = 64) -> None:
   bytes land (which differs between machines) the chunk no longer decodes or decodes to wrong
   values. Either way the step must not be restored."""
   data = bytearray(open(path, "rb").read())
-  for i in range(count):  # spread over the file's middle third
-    data[len(data) // 3 + i * 7] ^= 0xFF
+  # From a third into the file, every 7th byte; wrapped around (each byte flipped once) in a
+  # file too small for `count` of them.
+  for index in {(len(data) // 3 + i * 7) % len(data) for i in range(count)}:
+    data[index] ^= 0xFF
   with open(path, "wb") as f:
     f.write(bytes(data))
 
@@ -68,10 +85,8 @@ def _empty_step(step_dir: str) -> None:
 
 # damage kind -> (what it does to a step folder, a fragment of the cause the warning names)
 DAMAGE = {
-    "truncated_array_file": (lambda d: os.truncate(_biggest_array_file(d),
-                                                   os.path.getsize(_biggest_array_file(d)) // 2),
-                             "its state"),
-    "deleted_array_file": (lambda d: os.remove(_biggest_array_file(d)), "its state"),
+    "truncated_array_file": (_truncate_array_files, "its state"),
+    "deleted_array_file": (_delete_array_files, "its state"),
     "garbage_checkpoint_metadata": (lambda d: _garbage(f"{d}/_CHECKPOINT_METADATA"),
                                     "_CHECKPOINT_METADATA is unreadable"),
     "garbage_state_metadata": (lambda d: _garbage(f"{d}/state/_METADATA"),
@@ -90,7 +105,7 @@ DAMAGE = {
                                                 shutil.rmtree(f"{d}/integrity")), "its state"),
     "flipped_value_bytes": (_flip_value_bytes, "does not match the one saved with it"),
     # Either the chunk no longer decodes (its state) or its values fail the fingerprint.
-    "flipped_file_bytes": (lambda d: _flip_bytes(_biggest_array_file(d)),
+    "flipped_file_bytes": (lambda d: [_flip_bytes(path) for path in _array_files(d)],
                            ("its state", "does not match the one saved with it")),
 }
 
@@ -169,7 +184,7 @@ def test_two_damaged_steps_both_move_aside(straight, tmp_path):
   checkpoints_dir = os.path.join(workdir, "checkpoints")
   shutil.copytree(os.path.join(checkpoints_dir, "10"), os.path.join(checkpoints_dir, "15"))
   for step in ("10", "15"):
-    os.remove(_biggest_array_file(os.path.join(checkpoints_dir, step)))
+    _delete_array_files(os.path.join(checkpoints_dir, step))
   lines = []
   checkpoints = checkpoint.Checkpoints(checkpoints_dir)
   state, _ = resume.restore_or_init(config, setup, checkpoints, lines.append)
@@ -201,7 +216,7 @@ def test_when_no_checkpoint_restores_it_is_one_error_and_nothing_moves(straight,
 def test_a_damaged_resume_from_is_an_error_not_a_fallback(straight, tmp_path):
   _, config, _, setup, _ = straight
   other = _copy(straight, tmp_path)
-  os.remove(_biggest_array_file(os.path.join(other, "checkpoints", "10")))
+  _delete_array_files(os.path.join(other, "checkpoints", "10"))
   before = sorted(os.listdir(os.path.join(other, "checkpoints")))
   fresh = checkpoint.Checkpoints(str(tmp_path / "fresh" / "checkpoints"))
   config = config.copy_and_resolve_references()

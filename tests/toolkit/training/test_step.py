@@ -17,7 +17,7 @@ def unsharded():
 
 @pytest.mark.parametrize("preset,ici", [
     ("dp", "data:-1"), ("fsdp", "fsdp:-1"), ("tp", "data:4,tensor:2"),
-    ("fsdp_tp", "fsdp:4,tensor:2")])
+    pytest.param("fsdp_tp", "fsdp:4,tensor:2", marks=pytest.mark.smoke)])
 def test_sharded_equals_unsharded(unsharded, preset, ici):
   losses, params, setup = train_steps(tiny_config(preset, ici))
   assert setup.spec.mesh.size == 8
@@ -69,6 +69,7 @@ def test_metrics_and_schedule():
   assert setup.step.traces == 1
 
 
+@pytest.mark.smoke
 def test_run_compiles_the_step_once(tmp_path):
   config = tiny_config(steps=6)
   config.train.update(log_every=2, eval_every=3, checkpoint_every=3)
