@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 
 from experiments import lm
+from tests import preloaded
 from toolkit import training
 from toolkit.training import checkpoint, state as state_lib, step as step_lib
 
@@ -54,15 +53,14 @@ def assert_trees_close(actual, expected, **tolerance) -> None:
 
 
 def train_process(workdir: str, steps: int, *overrides: str) -> str:
-  """`python -m toolkit.train` on the tiny LM in a fresh process on 8 CPU devices (a 6-step
-  schedule, a checkpoint every 2 steps, `overrides` as --config.* flags): its stdout."""
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "JAX_PLATFORMS": "cpu"}
-  cmd = [sys.executable, "-m", "toolkit.train", "--config=experiments/lm.py:tiny",
-         f"--workdir={workdir}", "--config.optimizer.schedule_steps=6",
-         "--config.train.checkpoint_every=2", f"--config.train.steps={steps}",
-         *(f"--config.{o}" for o in overrides)]
-  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  """`python -m toolkit.train` on the tiny LM in a new process on 8 CPU devices (a 6-step
+  schedule, a checkpoint every 2 steps, `overrides` as --config.* flags): its stdout. The
+  process is forked from one that has imported the toolkit (tests/preloaded.py)."""
+  env = dict(os.environ)  # the suite's: 8 CPU devices, its cache (tests/conftest.py)
+  args = ["--config=experiments/lm.py:tiny", f"--workdir={workdir}",
+          "--config.optimizer.schedule_steps=6", "--config.train.checkpoint_every=2",
+          f"--config.train.steps={steps}", *(f"--config.{o}" for o in overrides)]
+  proc = preloaded.run("toolkit.train", args, env=env, timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc.stdout
 

@@ -31,7 +31,11 @@ _DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"
 
 
 def default_cache_dir() -> str:
-  """JAX's compiled programs under the user's cache folder ($XDG_CACHE_HOME or ~/.cache)."""
+  """Where compiled programs go unless --compilation_cache says otherwise: JAX's own
+  JAX_COMPILATION_CACHE_DIR when it is set, else the user's cache folder ($XDG_CACHE_HOME or
+  ~/.cache)/meshkit/jax_compilation_cache."""
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
   base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
   return os.path.join(base, "meshkit", "jax_compilation_cache")
 

@@ -1,8 +1,10 @@
 """`python -m toolkit.train` end to end, as a user runs it: a normal run, a --config override,
 SIGTERM then resume, and the user mistakes that must each end in one `error:` line.
 
-Every run is a subprocess on 8 simulated CPU devices, bounded by a timeout. A mistake must
-exit non-zero, print no traceback, print exactly one `error:` line that names the field or
+Every run is a process of its own on 8 simulated CPU devices, bounded by a timeout, forked
+from one that has already imported the toolkit (tests/preloaded.py); `--help`, the console
+scripts and the mistakes in FRESH run in new interpreters, as a shell starts them. A mistake
+must exit non-zero, print no traceback, print exactly one `error:` line that names the field or
 flag and the fix, and leave a workdir that already holds checkpoints exactly as it was.
 """
 from __future__ import annotations
@@ -21,32 +23,28 @@ import time
 
 import pytest
 
+from tests import preloaded
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = "--config=experiments/lm.py:tiny"
 MOE = "--config=experiments/moe.py:tiny"
 PLAN = pathlib.Path(__file__).parent / "fixtures" / "plan.json"  # as toolkit.compile --plan writes
 RUN_TIMEOUT_S = 300  # a tiny run takes ~15 s on 2 shared cores; generous for loaded machines
-MISTAKE_TIMEOUT_S = 120  # mistakes are caught before compiling: ~2-4 s each
-PROGRESS = re.compile(r"^step (\d+)/(\d+) \| loss [\d.]+ \| lr [\d.e+-]+ \| .*\| [\d,]+ tok/s "
-                      r"\|.* ETA \d+(h\d\d)?m\d\ds$", re.M)
+MISTAKE_TIMEOUT_S = 120  # mistakes are caught before compiling: ~0.5 s each, 2-4 s in a new
+                         # interpreter
+PROGRESS = re.compile(r"^step (\d+)/(\d+) \| loss [\d.]+ nats per token \| lr [\d.e+-]+ \| "
+                      r".*\| [\d,]+ tok/s \|.* ETA \d+(h\d\d)?m\d\ds$", re.M)
 
 
 def _env() -> dict[str, str]:
-  env = dict(os.environ)
-  other = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  env["XLA_FLAGS"] = " ".join(other + ["--xla_force_host_platform_device_count=8"])
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
+  """The suite's environment (tests/conftest.py): 8 CPU devices, the session's cache folder."""
+  return dict(os.environ)
 
 
-def _command(*args: str) -> list[str]:
-  return [sys.executable, "-m", "toolkit.train", *args]
-
-
-def train(*args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
-  return subprocess.run(_command(*args), cwd=REPO, env=_env(), capture_output=True, text=True,
-                        timeout=timeout, check=False)
+def train(*args: str, timeout: float = RUN_TIMEOUT_S,
+          fresh: bool = False) -> subprocess.CompletedProcess:
+  """`python -m toolkit.train *args`, finished (in a new interpreter when `fresh`)."""
+  return preloaded.run("toolkit.train", args, env=_env(), timeout=timeout, fresh=fresh)
 
 
 def checkpoint_steps(workdir: pathlib.Path) -> set[int]:
@@ -171,8 +169,8 @@ def test_sigterm_saves_and_exits_zero_then_the_same_command_resumes(tmp_path):
   args = [TINY, f"--workdir={workdir}", "--config.train.checkpoint_every=1000"]
   stdout_path, stderr_path = tmp_path / "stdout", tmp_path / "stderr"
   with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
-    process = subprocess.Popen(_command(*args, "--config.train.steps=2000"), cwd=REPO,
-                               env=_env(), stdout=stdout, stderr=stderr, text=True)
+    process = preloaded.start("toolkit.train", [*args, "--config.train.steps=2000"],
+                              env=_env(), stdout=stdout, stderr=stderr)
     try:
       # Wait until it trains: the first progress line (step 1) is printed inside the loop.
       deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -205,7 +203,7 @@ def test_sigterm_saves_and_exits_zero_then_the_same_command_resumes(tmp_path):
 
 
 def test_help_describes_the_flags():
-  result = train("--help", timeout=MISTAKE_TIMEOUT_S)
+  result = train("--help", timeout=MISTAKE_TIMEOUT_S, fresh=True)
   assert "Traceback" not in result.stdout + result.stderr
   assert "--config: Required. Experiment file and variant" in result.stdout
   assert "--workdir: Required. Directory for checkpoints" in result.stdout
@@ -297,6 +295,10 @@ MISTAKES = [
 
 
 _MISTAKE_TEST = "test_mistake_is_one_line_and_leaves_the_workdir_untouched"
+# Mistakes checked in a new interpreter, as a shell sees them: one caught while reading the
+# flags, one in the experiment file, one needing the devices, one needing the checkpoint.
+FRESH = ("flag_unknown", "experiment_file_missing", "mesh_does_not_divide_devices",
+         "checkpoint_of_another_model")
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +319,8 @@ def mistake_runs(request, trained, tmp_path_factory) -> dict[str, tuple]:
   def run_one(name: str) -> tuple[str, tuple]:
     workdir, args = cases[name]
     before = snapshot(workdir)
-    return name, (workdir, before, train(*args, timeout=MISTAKE_TIMEOUT_S))
+    return name, (workdir, before, train(*args, timeout=MISTAKE_TIMEOUT_S,
+                                          fresh=name in FRESH))
 
   return side_by_side(run_one, cases)
 

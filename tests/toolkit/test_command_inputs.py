@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import subprocess
-import sys
 
 import pytest
 
-from tests.toolkit.test_cli import MISTAKE_TIMEOUT_S, REPO, TINY, _env, the_error_line
+from tests import preloaded
+from tests.toolkit.test_cli import MISTAKE_TIMEOUT_S, TINY, _env, the_error_line
 
 # (id, command after `python -m`, extra environment, the error line)
 CASES = [
@@ -37,17 +37,16 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-  """All cases, a few at a time (each is a short process that mostly imports JAX)."""
+  """All cases, a few at a time (each a short process; those that set JAX_PLATFORMS start a
+  new interpreter, tests/preloaded.py)."""
   folder = tmp_path_factory.mktemp("inputs")
 
   def run(case):
-    name, args, env, _ = case
+    name, (module, *args), env, _ = case
     args = [a.replace("{T}", str(folder)) if isinstance(a, str)
             else a.replace(b"{T}", str(folder).encode()) for a in args]
-    command = [sys.executable.encode(), b"-m"] + [a if isinstance(a, bytes) else a.encode()
-                                                  for a in args]
-    return name, subprocess.run(command, cwd=REPO, env={**_env(), **env}, capture_output=True,
-                                timeout=MISTAKE_TIMEOUT_S, check=False)
+    return name, preloaded.run(module, args, env={**_env(), **env}, text=False,
+                               timeout=MISTAKE_TIMEOUT_S)
 
   with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
     return dict(pool.map(run, CASES))

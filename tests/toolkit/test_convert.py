@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from tests import preloaded
 from tests.toolkit.hf import reference
 from tests.toolkit.test_cli import REPO, _env, refused, side_by_side, snapshot
 
@@ -20,8 +21,7 @@ TIMEOUT_S = 300
 
 
 def convert(*args: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-m", "toolkit.convert", *args], cwd=REPO, env=_env(),
-                        capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+  return preloaded.run("toolkit.convert", args, env=_env(), timeout=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +41,11 @@ def test_import_generate_export(original, tmp_path):
 
   # Greedy generation with the folder's tokenizer: BOS first, the same tokens transformers picks.
   prompt = "The meaning of "
-  done = subprocess.run(
-      [sys.executable, "-m", "toolkit.generate", f"--config=experiments/hf.py:{folder}",
-       f"--checkpoint={workdir}", f"--tokenizer={folder}", f"--prompt={prompt}",
-       "--max_tokens=12", "--cache_length=64", f"--output={tmp_path / 'out.jsonl'}"],
-      cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+  done = preloaded.run(
+      "toolkit.generate",
+      [f"--config=experiments/hf.py:{folder}", f"--checkpoint={workdir}", f"--tokenizer={folder}",
+       f"--prompt={prompt}", "--max_tokens=12", "--cache_length=64",
+       f"--output={tmp_path / 'out.jsonl'}"], env=_env(), timeout=TIMEOUT_S)
   assert done.returncode == 0, done.stderr
   record = json.loads((tmp_path / "out.jsonl").read_text())
   prompt_ids = [reference.tiny_hf_model.BOS] + list(prompt.encode())

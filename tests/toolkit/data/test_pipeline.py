@@ -6,12 +6,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
+from tests import preloaded
 from experiments import lm, vit
 from scripts import prepare_text
 from toolkit.training import checkpoint
@@ -70,10 +70,9 @@ def _cli_overrides(config, name: str) -> list[str]:
 
 
 def _train_cli(workdir: str, flags: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "JAX_PLATFORMS": "cpu"}
-  return subprocess.run([sys.executable, "-m", "toolkit.train", f"--workdir={workdir}", *flags],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+  env = dict(os.environ)  # the suite's: 8 CPU devices, its cache (tests/conftest.py)
+  return preloaded.run("toolkit.train", [f"--workdir={workdir}", *flags], env=env,
+                       timeout=timeout)
 
 
 def _losses(workdir: str) -> dict[int, float]:
@@ -88,7 +87,7 @@ def _host(batch) -> dict[str, np.ndarray]:
 
 # --- data order -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["lm", "vit"])
+@pytest.mark.parametrize("name", [pytest.param("lm", marks=pytest.mark.smoke), "vit"])
 def test_iterator_matches_random_access_with_and_without_workers(token_dir, name):
   """Batch s is the same from Grain's DataLoader with 0 or 2 workers and from random access,
   and a different seed gives a different order."""

@@ -32,10 +32,9 @@ def test_two_processes_see_the_batches_of_one(tmp_path, token_dir, name):  # noq
   else:
     flags = ["--config=experiments/vit.py:tiny", f"--config.train.eval_every={N}", *flags]
   workdir = tmp_path / "two"
-  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
   proc = subprocess.run([sys.executable, "scripts/local_pod.py", "--processes=2",
                          "--devices_per_process=4", "--", *flags, f"--workdir={workdir}"],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+                        cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   losses = {r["step"]: r["loss"] for r in records if r["kind"] == "train"}

@@ -2,11 +2,10 @@
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
+from tests import preloaded
 from tests.tiny_runs import tiny_config
 from toolkit import training
 from toolkit.inference import offline, restore
@@ -75,10 +74,8 @@ def test_missing_checkpoint_and_arguments_are_clear_errors(tmp_path):
 
 
 def _cli(*args):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "JAX_PLATFORMS": "cpu"}
-  return subprocess.run([sys.executable, "-m", "toolkit.generate", *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=300)
+  env = dict(os.environ)  # the suite's: 8 CPU devices, its cache (tests/conftest.py)
+  return preloaded.run("toolkit.generate", args, env=env, timeout=300)
 
 
 def test_command_line(workdir, tmp_path):

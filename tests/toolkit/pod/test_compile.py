@@ -1,8 +1,9 @@
 """Ahead-of-time compiles for TPU topologies from this CPU machine (`toolkit.compile`), the
 collective parser, the planner and plan files.
 
-Tests marked `tpu_aot` need libtpu (`pip install -e '.[tpu]'`) and skip with that reason
-without it; the rest (cpu:N targets, lint errors, the HLO parser, plan files) run anywhere.
+Tests marked `tpu_aot` need libtpu (the test extra's jax[tpu]) and skip with that reason
+without it, or fail under CI=true (tests/extras.py); the rest (cpu:N targets, lint errors, the
+HLO parser, plan files) run anywhere.
 
 The memory band: compiled total / analytic total, measured (remat as in the config):
   CPU LM (0.9 M params, batch 32 x 128) on v5e-8  0.28   v5p-8  1.06
@@ -20,7 +21,6 @@ import os
 import pathlib
 import re
 import subprocess
-import sys
 import textwrap
 
 import jax
@@ -29,7 +29,10 @@ import pytest
 
 import sharding
 
+from tests import preloaded
 from experiments import lm
+from models import LlamaConfig
+from tests import extras
 from toolkit.pod import collectives, plan as plan_lib
 from toolkit.pod import aot as compile_lib
 from toolkit.pod import report as report_lib
@@ -48,8 +51,8 @@ CLI_TIMEOUT_S = 300
 
 
 def needs_libtpu():
-  pytest.importorskip("libtpu", reason="libtpu is not installed: pip install -e '.[tpu]' (or "
-                      "'jax[tpu]==0.10.2') to run the ahead-of-time TPU compile tests")
+  """The ahead-of-time TPU compile tests need libtpu (the test extra's jax[tpu])."""
+  extras.require("libtpu")
 
 
 def _cpu_target(count: int = 8, slices: int = 1) -> target_lib.Target:
@@ -60,8 +63,7 @@ def _compile_cli(*args: str) -> subprocess.CompletedProcess:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                               if "device_count" not in f)
-  return subprocess.run([sys.executable, "-m", "toolkit.compile", *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False)
+  return preloaded.run("toolkit.compile", args, env=env, timeout=CLI_TIMEOUT_S)
 
 
 def _sharded_bytes(tree) -> int:
@@ -93,7 +95,7 @@ def _check_memory(report: report_lib.Report, config, target: target_lib.Target,
 # --- TPU targets ----------------------------------------------------------------------------
 
 @pytest.mark.tpu_aot
-@pytest.mark.parametrize("topology", ["v5e-8", "v5p-8"])
+@pytest.mark.parametrize("topology", [pytest.param("v5e-8", marks=pytest.mark.smoke), "v5p-8"])
 def test_cpu_lm_compiles_and_fits_on_small_slices(topology):
   needs_libtpu()
   config = lm.get_config("cpu")
@@ -242,6 +244,16 @@ def test_cli_compiles_for_simulated_host_devices(tmp_path):
   # CPU has no reduce-scatter: gradients come as (tuple-typed) all-reduces.
   assert any(c["kind"] == "all-reduce" for c in report["collectives"])
   assert "compiled (a CPU target" in result.stdout
+  assert "\nmodel      35.0 K parameters, d_model 32," in result.stdout  # 34,976
+
+
+def test_parameter_counts_print_in_the_unit_that_reads_best():
+  """The report's `model` line: the CPU LM has 0.85 M parameters, not 0.001 B."""
+  cases = {0: "0", 499: "499", 500: "0.50 K", 34_976: "35.0 K", 136_600: "136.6 K",
+           LlamaConfig.preset("cpu").num_params(): "0.85 M", 999_999: "1.0 M",
+           86_000_000: "86.0 M", 1_200_000_000: "1.2 B", 46_700_000_000: "46.7 B",
+           2 * 10**12: "2.0 T", -1500: "-1.5 K"}
+  assert {n: report_lib.human_count(n) for n in cases} == cases
 
 
 def test_cpu_target_reports_slices_as_dcn():
@@ -359,6 +371,9 @@ def test_collectives_parser_reads_every_form():
   mesh_form = found["all-reduce-start.1"]                     # mesh form with device_ids
   assert (mesh_form.kind, mesh_form.axes, mesh_form.group_size) == ("all-reduce", ("fsdp",), 4)
   assert "all-reduce-done.1" not in found
+  # Result types without their layouts, TPU tiles included; a tuple stays a tuple.
+  assert (gather.result, grads.result, scatter.result) == (
+      "f32[8,64]", "(f32[8,16], f32[4])", "bf16[64,16]")
   assert gather.moved_bytes == pytest.approx(8 * 64 * 4 * 3 / 4)
   assert grads.moved_bytes == pytest.approx(2 * 528 * 1 / 2)
   summary = {(s.kind, s.axes): s for s in collectives.summarize(found.values())}
@@ -512,8 +527,7 @@ def test_compile_candidates_left_over_do_not_keep_the_process_alive():
       print("left", sum(c.status == "budget" for c in pending))
       """)
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, text=True,
-                          capture_output=True, timeout=120, check=False)
+  result = preloaded.run(code=script, env=env, timeout=120)
   assert result.returncode == 0, result.stdout + result.stderr
   assert re.search(r"^left \d+$", result.stdout, re.M)
 

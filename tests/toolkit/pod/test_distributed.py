@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
+from tests import preloaded
 from toolkit import data
 
 from toolkit.pod import distributed
@@ -101,12 +100,10 @@ def test_a_process_loads_exactly_the_rows_its_devices_hold(blocks, rows):
     ("--process_id=-1", ["--process_id=-1", "is not a non-negative integer"]),
 ])
 def test_a_bad_distributed_flag_is_one_error_line(tmp_path, flag, fragments):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "JAX_PLATFORMS": "cpu"}
-  result = subprocess.run(
-      [sys.executable, "-m", "toolkit.train", "--config=experiments/lm.py:tiny",
-       f"--workdir={tmp_path / 'w'}", "--num_processes=2", flag], cwd=REPO, env=env,
-      capture_output=True, text=True, timeout=120)
+  env = dict(os.environ)  # the suite's: 8 CPU devices, its cache (tests/conftest.py)
+  result = preloaded.run(
+      "toolkit.train", ["--config=experiments/lm.py:tiny", f"--workdir={tmp_path / 'w'}",
+                        "--num_processes=2", flag], env=env, timeout=120)
   assert result.returncode == 2, result.stdout + result.stderr
   assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
   for fragment in fragments:

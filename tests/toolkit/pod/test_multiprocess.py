@@ -51,10 +51,11 @@ INIT_MARGIN_S = 25         # + Python/JAX start-up before the timeout starts cou
 
 
 @pytest.fixture(scope="module")
-def environ(tmp_path_factory) -> dict[str, str]:
-  """The children's environment: a compilation cache shared by the runs of this module (the
-  kill tests compile what earlier runs compiled; process 0 then skips its compile)."""
-  return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("xla_cache"))}
+def environ() -> dict[str, str]:
+  """The children's environment: the suite's, whose compilation cache (tests/conftest.py) the
+  runs share (the kill tests compile what earlier runs compiled; process 0 then skips its
+  compile)."""
+  return dict(os.environ)
 
 
 def tiny_config():

@@ -1,12 +1,11 @@
 """Checkpoints: exact resume in a new process, restore onto another mesh, refusal of others."""
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
+from tests import preloaded
 from tests.tiny_runs import tiny_config, train_losses
 from toolkit.training import checkpoint, resume, state as state_lib, step as step_lib
 from toolkit import training
@@ -16,12 +15,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 
 def _train_cli(workdir, *overrides, timeout=240):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "JAX_PLATFORMS": "cpu"}
-  cmd = [sys.executable, "-m", "toolkit.train", "--config=experiments/lm.py:tiny",
-         f"--workdir={workdir}", "--config.optimizer.schedule_steps=10",
-         "--config.train.checkpoint_every=2", "--config.train.keep_checkpoints=2", *overrides]
-  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+  env = dict(os.environ)  # the suite's: 8 CPU devices, its cache (tests/conftest.py)
+  args = ["--config=experiments/lm.py:tiny", f"--workdir={workdir}",
+          "--config.optimizer.schedule_steps=10", "--config.train.checkpoint_every=2",
+          "--config.train.keep_checkpoints=2", *overrides]
+  proc = preloaded.run("toolkit.train", args, env=env, timeout=timeout)  # a new process
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc.stdout
 
@@ -34,6 +32,7 @@ def _restore(workdir, step, config=None, devices=None):
   return state, data_position, setup
 
 
+@pytest.mark.smoke
 def test_resume_in_a_new_process_is_bitwise_identical(tmp_path):
   straight, interrupted = str(tmp_path / "straight"), str(tmp_path / "interrupted")
   _train_cli(straight, "--config.train.steps=10")

@@ -31,8 +31,7 @@ COMMON = ["--config=experiments/lm.py:tiny", f"--config.train.steps={STEPS}",
 
 
 def _env(gcs_server, **extra) -> dict[str, str]:
-  return {**os.environ, **gcs_server.env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-          "JAX_PLATFORMS": "cpu", **extra}
+  return {**os.environ, **gcs_server.env, **extra}  # 8 CPU devices (tests/conftest.py)
 
 
 def _train(env, workdir: str, *args: str, cwd: str = REPO) -> subprocess.CompletedProcess:

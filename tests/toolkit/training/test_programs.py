@@ -5,8 +5,6 @@ in the call are stored."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
+from tests import preloaded
 from tests.tiny_runs import tiny_config
 from toolkit import training
 from toolkit.training import programs as programs_lib, state as state_lib, step as step_lib
@@ -191,11 +190,11 @@ def test_the_command_reads_the_step_back_on_a_restart(tmp_path):
   for name in ("first", "second", "third", "fourth"):
     if name == "third":
       shutil.rmtree(folder)
-    command = [sys.executable, "-m", "toolkit.train", "--config=experiments/lm.py:tiny",
-               f"--workdir={tmp_path / name}", f"--compilation_cache={cache}",
-               "--config.train.steps=4", "--config.train.checkpoint_every=4"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    args = ["--config=experiments/lm.py:tiny", f"--workdir={tmp_path / name}",
+            f"--compilation_cache={cache}", "--config.train.steps=4",
+            "--config.train.checkpoint_every=4"]
+    done = preloaded.run("toolkit.train", args, cwd=ROOT, timeout=300,  # a new process each
+                         env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
     assert done.returncode == 0, done.stderr[-2000:]
     outputs.append(done.stdout)
     with open(tmp_path / name / "metrics.jsonl") as f:

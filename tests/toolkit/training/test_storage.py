@@ -14,15 +14,15 @@ import errno
 import os
 import pathlib
 import subprocess
-import sys
 import threading
 import time
 import types
 
 import pytest
 
+from tests import preloaded
 from tests.tiny_runs import tiny_config
-from tests.toolkit.test_cli import REPO, RUN_TIMEOUT_S, TINY, _env, checkpoint_steps, the_error_line
+from tests.toolkit.test_cli import RUN_TIMEOUT_S, TINY, _env, checkpoint_steps, the_error_line
 from toolkit import training
 from toolkit.training import checkpoint, loop, metrics, storage
 
@@ -51,10 +51,10 @@ class Run:
   """`toolkit.train` in a subprocess; stdout read line by line with the time each arrived."""
 
   def __init__(self, args: list[str], inject: tuple[int, int] | None = None):
-    command = ([sys.executable, "-c", _INJECT.format(code=inject[0], step=inject[1])]
-               if inject else [sys.executable, "-m", "toolkit.train"])
-    self.process = subprocess.Popen(command + args, cwd=REPO, env=_env(), text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    target = (dict(code=_INJECT.format(code=inject[0], step=inject[1])) if inject
+              else dict(module="toolkit.train"))
+    self.process = preloaded.start(**target, args=args, env=_env(), text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     self.lines: list[tuple[float, str]] = []
     self.stderr = ""
     self._readers = [threading.Thread(target=self._read_stdout, daemon=True),
@@ -146,9 +146,8 @@ def test_read_only_checkpoint_folder_is_refused_before_training(tmp_path, monkey
   workdir = tmp_path / "w"
   with small_disk(workdir / "checkpoints", "1m", read_only=True) as mounted:
     if mounted:
-      result = subprocess.run([sys.executable, "-m", "toolkit.train", TINY,
-                               f"--workdir={workdir}"], cwd=REPO, env=_env(), text=True,
-                              capture_output=True, timeout=RUN_TIMEOUT_S, check=False)
+      result = preloaded.run("toolkit.train", [TINY, f"--workdir={workdir}"], env=_env(),
+                             timeout=RUN_TIMEOUT_S)
       line = the_error_line(result)
       assert line == (f"error: {workdir}/checkpoints is not writable (Read-only file system); "
                       f"mount it writable or choose another --workdir")
@@ -186,7 +185,8 @@ def test_a_plot_that_cannot_be_written_is_a_warning(tmp_path, capsys):
                                           '{"step": 2, "kind": "tra')  # cut short by a full disk
   (tmp_path / "loss.png").mkdir()  # the plot cannot be written
   run = types.SimpleNamespace(writer=types.SimpleNamespace(path=str(tmp_path / "metrics.jsonl")),
-                              result=types.SimpleNamespace(confusion=None))
+                              result=types.SimpleNamespace(confusion=None),
+                              units=metrics.Units())
   loop.write_plots(run, str(tmp_path))
   assert capsys.readouterr().out == (f"warning: a plot could not be written into {tmp_path} "
                                      f"(Is a directory)\n")

@@ -6,11 +6,11 @@ import json
 import pathlib
 import statistics
 import subprocess
-import sys
 
 import pytest
 
 from experiments import vit
+from tests import preloaded
 from tests.toolkit.test_cli import _env, the_error_line
 from toolkit.errors import ConfigError
 from toolkit.tuning import seeds as seeds_lib
@@ -20,8 +20,7 @@ TIMEOUT_S = 600  # two 6-step tiny runs take ~40 s on 2 shared cores
 
 
 def _script(*args: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "scripts/seeds.py", *args], cwd=REPO, env=_env(),
-                        capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+  return preloaded.run(script="scripts/seeds.py", args=args, env=_env(), timeout=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

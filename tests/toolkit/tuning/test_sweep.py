@@ -7,11 +7,11 @@ import os
 import pathlib
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
+from tests import preloaded
 from tests.toolkit.test_cli import _env, the_error_line
 from toolkit.tuning import results as results_lib, search
 from toolkit.tuning import runner as sweep_lib
@@ -95,9 +95,8 @@ def test_halving_rungs():
 
 # --- running ------------------------------------------------------------------------------------
 
-def _sweep_command(workdir, *args):
-  return [sys.executable, "-m", "toolkit.sweep", f"--config={TINY_SWEEP}", f"--workdir={workdir}",
-          *args]
+def _sweep_args(workdir, *args):
+  return [f"--config={TINY_SWEEP}", f"--workdir={workdir}", *args]
 
 
 def _wait_for(condition, process, timeout_s: float) -> None:
@@ -131,8 +130,8 @@ def test_killed_sweep_resumes_to_the_same_table(tmp_path):
   3, and the table equals that of a sweep that ran straight through."""
   killed = tmp_path / "killed"
   args = ("--mode=population", "--max_concurrent=2")
-  process = subprocess.Popen(_sweep_command(killed, *args), cwd=REPO, env=_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  process = preloaded.start("toolkit.sweep", _sweep_args(killed, *args), env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     saved = lambda: all((killed / "trials" / t / "checkpoints" / "3").is_dir()
                         for t in ("002", "003"))
@@ -146,8 +145,8 @@ def test_killed_sweep_resumes_to_the_same_table(tmp_path):
   assert _record(killed, "002")["status"] == "running", "killed too late to test resuming"
   assert not (killed / "results.csv").exists()
 
-  resumed = subprocess.run(_sweep_command(killed, *args), cwd=REPO, env=_env(),
-                           capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S, check=False)
+  resumed = preloaded.run("toolkit.sweep", _sweep_args(killed, *args), env=_env(),
+                          timeout=SWEEP_TIMEOUT_S)
   assert resumed.returncode == 0, resumed.stdout + resumed.stderr
   assert "population 1/1: trials 002,003 to step 6" in resumed.stdout
   assert "restored the 2 trials at step 3" in resumed.stdout
@@ -212,10 +211,9 @@ def test_successive_halving(tmp_path, experiment):
 
 
 def test_population_refuses_a_shape_field_on_the_command_line(tmp_path, experiment):
-  result = subprocess.run(
-      [sys.executable, "-m", "toolkit.sweep", f"--config={experiment}:shapes",
-       f"--workdir={tmp_path / 'w'}", "--mode=population"],
-      cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120, check=False)
+  result = preloaded.run(
+      "toolkit.sweep", [f"--config={experiment}:shapes", f"--workdir={tmp_path / 'w'}",
+                        "--mode=population"], env=_env(), timeout=120)
   line = the_error_line(result)
   assert "model.d_model" in line and "changes a shape" in line and "--mode=processes" in line
   assert result.returncode == 1
@@ -229,7 +227,6 @@ def test_population_refuses_a_shape_field_on_the_command_line(tmp_path, experime
     (["--config=experiments/lm.py:tiny", "--mode=fast"], "--mode"),
 ])
 def test_command_line_mistakes(tmp_path, args, message):
-  result = subprocess.run(
-      [sys.executable, "-m", "toolkit.sweep", *args, f"--workdir={tmp_path / 'w'}"],
-      cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120, check=False)
+  result = preloaded.run("toolkit.sweep", [*args, f"--workdir={tmp_path / 'w'}"], env=_env(),
+                         timeout=120)
   assert message in the_error_line(result)
