@@ -59,6 +59,9 @@ SKIP = {
     r"^python scripts/bench_\w+\.py\s*(#|$)": "a full benchmark (minutes); its --quick run "
                                                "is here",
     r"bench_step\.py --devices=1": "a full benchmark (minutes) on one device; --quick is here",
+    r"bench_moe\.py --size=cpu": "the full benchmark at the CPU sizes (~3 min); --quick is here",
+    r"python scripts/bench_checkpoint\.py\s+#": "the full benchmark (the demo, then the 7b "
+                                                 "fingerprints, ~1.5 min); --quick is here",
     r"bench_train\.py --baseline=/tmp/base": "trains in two checkouts (minutes), the second a "
                                              "worktree the user makes first; tests/scripts runs "
                                              "it against this checkout",
