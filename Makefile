@@ -39,9 +39,13 @@ test: $(VENV)/.installed-test
 
 # The tests marked slow: the long runs behind the documented results (the demo's loss, the ViT
 # recipe on three seeds, the sweep's trials) and the longer process tests. .ci/run runs
-# `make test` and then this.
+# `make test` and then this. Two processes again, a module per process but for the documented
+# results, whose long runs spread over both (tests/conftest.py).
 test-slow: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+	@start=$$(date +%s); status=0; \
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope -m slow --durations=15 \
+	  $(PYTEST_ARGS) || status=$$?; \
+	echo "make test-slow: $$(( $$(date +%s) - start )) s wall"; exit $$status
 
 test-all: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -34,7 +34,8 @@ _SWEEP_STEPS = flags.DEFINE_integer("sweep_steps", 30, "Steps per trial in the w
 _AXIS = flags.DEFINE_integer("population_axis", 0, "Size of the population mesh axis (0: the "
                              "largest that fits, one trial per device group).")
 _JSON = flags.DEFINE_string("json", "", "Write the results as JSON to this path.")
-_QUICK = flags.DEFINE_bool("quick", False, "The tiny sweep, 1 round of 2 steps, 4-step sweeps.")
+_QUICK = flags.DEFINE_bool("quick", False, "The tiny sweep's first 2 trials, 1 round of 2 "
+                           "steps, 4-step sweeps (the smoke test).")
 
 TARGET_RATIO = 0.5
 
@@ -117,7 +118,7 @@ def main(argv) -> None:
   sweep_arg, trials = _SWEEP.value, _TRIALS.value
   rounds, steps, sweep_steps = _ROUNDS.value, _STEPS.value, _SWEEP_STEPS.value
   if _QUICK.value:
-    sweep_arg, trials, rounds, steps, sweep_steps = "experiments/lm.py:tiny", 4, 1, 2, 4
+    sweep_arg, trials, rounds, steps, sweep_steps = "experiments/lm.py:tiny", 2, 1, 2, 4
   import jax  # pylint: disable=g-import-not-at-top
   print(f"{jax.device_count()} x {jax.devices()[0].device_kind}; sweep {sweep_arg}; K={trials}",
         flush=True)

@@ -245,6 +245,28 @@ def run(module: str | None = None, args: Sequence[Argument] = (), *, timeout: fl
   return subprocess.CompletedProcess(process.args, returncode, stdout, stderr)
 
 
+_CALL = """
+import importlib, json, sys
+module, name = sys.argv[1].split(":")
+result = getattr(importlib.import_module(module), name)(*json.loads(sys.argv[2]))
+with open(sys.argv[3], "w") as f:
+  json.dump(result, f)
+"""
+
+
+def call(target: str, *args, timeout: float, env: Mapping[str, str] | None = None):
+  """`module:function(*args)` run in a new process (forked as `run` does), for work that needs
+  another environment than this process's (XLA_FLAGS, say): JSON-able arguments in, its
+  JSON-able result out. Fails with the process's output when it does not return one."""
+  with tempfile.TemporaryDirectory() as folder:
+    out = os.path.join(folder, "result.json")
+    done = run(code=_CALL, args=[target, json.dumps(args), out], env=env, timeout=timeout)
+    if done.returncode != 0 or not os.path.exists(out):
+      raise AssertionError(f"{target} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+    with open(out) as f:
+      return json.load(f)
+
+
 # --- the server ------------------------------------------------------------------------------
 
 def _serve(address: str, preload: Sequence[str]) -> dict:

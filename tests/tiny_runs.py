@@ -52,6 +52,16 @@ def assert_trees_close(actual, expected, **tolerance) -> None:
     np.testing.assert_allclose(a, e, err_msg=jax.tree_util.keystr(path), **tolerance)
 
 
+def default_codegen_env() -> dict[str, str]:
+  """The suite's environment (tests/conftest.py) with XLA's default LLVM optimizations, which
+  the suite turns off to compile faster: for a long run, whose time is its steps' (the CPU
+  demo's step is ~1.8x slower without them), and for results documented as a user's run
+  computes them."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_backend_optimization_level")]
+  return {**os.environ, "XLA_FLAGS": " ".join(flags)}
+
+
 def train_process(workdir: str, steps: int, *overrides: str) -> str:
   """`python -m toolkit.train` on the tiny LM in a new process on 8 CPU devices (a 6-step
   schedule, a checkpoint every 2 steps, `overrides` as --config.* flags): its stdout. The
