@@ -16,7 +16,7 @@ a seed also picks the held-out windows, so the seeds are scored on different tex
 Variants after the colon, comma separated:
   cpu          (default) the CPU demo: `cpu` model, fsdp x tensor mesh (fsdp:-1,tensor:2)
   tiny         the unit-test size: 2 layers, d_model 32, 10 steps
-  size=NAME    model preset: tiny, cpu, 125m, 1b, 7b, 70b (mixtures of experts: moe.py); the
+  size=NAME    model preset: tiny, cpu, 125m, 1b, 8b, 7b, 70b (mixtures of experts: moe.py); the
                real sizes (125m and up) also set pod-scale batches (0.5 M to 4 M tokens per
                step, sequences of 1024 to 4096; the 1b in 2 micro-batches), fsdp over every
                chip (mesh fsdp:-1, rules fsdp) and take the chip's peak FLOP/s from
@@ -79,11 +79,11 @@ def get_config(arg: str | None = None):
 
 
 # Pod-scale batches for the real sizes: (sequence length, global batch in sequences,
-# micro-batches), i.e. 0.5 M tokens per step for 125m, 1 M for 1b and 7b, 4 M for 70b
+# micro-batches), i.e. 0.5 M tokens per step for 125m, 1 M for 1b, 7b and 8b, 4 M for 70b
 # (Llama-style budgets). The 1b's 64 k tokens per chip of a 16-chip slice leave a 16 GiB v5e
 # chip short by 3 GiB in one micro-batch (measured: docs/compile.md), so it takes two.
 _POD_DATA = {"125m": (1024, 512, 1), "1b": (2048, 512, 2), "7b": (4096, 256, 1),
-             "70b": (4096, 1024, 1), "8x7b": (4096, 256, 1)}
+             "8b": (4096, 256, 1), "70b": (4096, 1024, 1), "8x7b": (4096, 256, 1)}
 
 
 def set_model(config, preset: str) -> None:

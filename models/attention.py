@@ -1,6 +1,7 @@
 """Attention implementations behind one call, chosen by name (`LlamaConfig.attention`).
 
-  attend(q, k, v, causal=True, implementation="auto") -> (batch, q_length, heads, head_dim)
+  attend(q, k, v, causal=True, implementation="auto", positions=None, segment_ids=None)
+      -> (batch, q_length, heads, head_dim)
 
 q is (batch, q_length, heads, head_dim), k and v (batch, kv_length, kv_heads, head_dim) with
 heads a multiple of kv_heads (grouped-query: query head h reads key/value head h // (heads //
@@ -8,9 +9,9 @@ kv_heads)); scores are scaled by 1/sqrt(head_dim); causal means key j is seen by
 j <= i (queries and keys both counted from position 0). The output has q's dtype.
 
   xla        `jax.nn.dot_product_attention` (XLA): materializes the (batch, heads, q, k) scores
-  blockwise  flash-style attention in plain JAX on every backend: an online softmax over
-             key/value blocks, blocks above the causal diagonal skipped, a custom VJP that
-             recomputes each block; memory O(length x block) instead of O(length^2)
+  blockwise  flash-style attention in plain JAX on every backend (models/blockwise.py): an
+             online softmax over key/value blocks, blocks above the causal diagonal skipped, a
+             custom VJP that recomputes each block; memory O(length x block), not O(length^2)
   splash     the Pallas TPU splash-attention kernel, per device under `shard_map` over the
              batch and head axes the activation rules split (off a TPU it runs in Pallas
              interpret mode: correct and slow, for tests); lengths must be multiples of 128
@@ -22,16 +23,31 @@ j <= i (queries and keys both counted from position 0). The output has q's dtype
   auto       `resolve`: splash on TPU from SPLASH_FROM keys, cudnn on GPU within its limits,
              else xla below BLOCKWISE_FROM keys and blockwise from there
 
+Packed documents. `segment_ids` (batch, length) int says which document of its row each token
+belongs to (1, 2, ...; 0 is padding, which attends only to padding): a query then sees only
+keys of its own segment, and causally within it. Every implementation masks so:
+  xla        a (batch, 1, q, k) same-segment mask beside the causal one
+  blockwise  the mask inside each block, and a (query block, key block) pair that shares no
+             segment is skipped (`jax.lax.cond`, per device under `shard_map`)
+  splash     the kernel's own `SegmentIds` (its block-sparse skipping stays the causal one)
+  cudnn      the same-segment mask handed to the library, which turns it into a bias
+  ring       the segment ids travel around the ring with the keys and values and positions
+  gathered   (context parallelism) each device's segment ids against the gathered ones
+Causality stays by index, or by position with the positions split: positions restart per
+document, but within one segment they rise with the index, so "same segment and key position
+<= query position" is the causal mask of each document.
+
 Context parallelism. When the activation rules split `length` over devices (a `sequence` mesh
 axis), the inputs come in `sharding.sequence`'s load-balanced order and attention masks by the
 tokens' positions: xla and blockwise run per device on the device's queries against keys and
 values gathered whole (`gathered`; auto picks between them as above), ring passes the blocks
 around instead; splash and cudnn are refused there.
 
-To add one: write `fn(q, k, v, causal) -> out` with the contract above, register it in
-IMPLEMENTATIONS (and SPLIT_LENGTH if it takes `positions=`), and give `resolve` a case if `auto`
-should pick it. The platform is the active mesh's (`sharding.active_mesh`), so compiling for a
-TPU from a CPU host resolves as on the TPU.
+To add one: write `fn(q, k, v, causal, segment_ids=None) -> out` with the contract above
+(segment ids as a (query ids, key ids) pair), register it in IMPLEMENTATIONS (and SPLIT_LENGTH
+if it takes `positions=`), and give `resolve` a case if `auto` should pick it. The platform is
+the active mesh's (`sharding.active_mesh`), so compiling for a TPU from a CPU host resolves as
+on the TPU.
 """
 from __future__ import annotations
 
@@ -43,10 +59,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 import sharding
+from models import blockwise as blockwise_lib
+from models.blockwise import CONTEXT, MASK_VALUE, prescaled, varying_like
 
-# The name the kernels' outputs (and their softmax statistics) carry for remat policies: a
-# policy that saves it never reruns attention in the backward pass.
-CONTEXT = "context"
 # Below this many keys `auto` keeps the XLA implementation's scores, from it the blockwise loop
 # (memory linear in the length). Timed on CPU (scripts/bench_attention.py: forward + backward,
 # causal, 8 heads of 64, medians of 7 rounds), blockwise / xla: 0.98 at 256 keys, 1.68 at 512,
@@ -58,7 +73,6 @@ BLOCKWISE_FROM = 1024
 SPLASH_FROM = 512
 BLOCK = 512                 # blockwise: queries and keys per block (smaller for short inputs)
 SPLASH_BLOCKS = (512, 256, 128)  # splash block sizes tried, largest first (128-lane tiles)
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf in the softmax
 
 
 def platform() -> str:
@@ -67,29 +81,42 @@ def platform() -> str:
   return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
+def _same_segment(segment_ids):
+  """(batch, 1, q_length, kv_length) bool, True where query and key share a segment, from
+  (query ids (batch, q_length), key ids (batch, kv_length))."""
+  q_segments, kv_segments = segment_ids
+  return q_segments[:, None, :, None] == kv_segments[:, None, None, :]
+
+
 # --- xla and cudnn ----------------------------------------------------------------------------
 
-def _prescaled(q):
-  """q / sqrt(head_dim): scaling the queries costs length/head_dim times less than scaling the
-  scores (XLA's CPU backend ran the xla implementation 1.2x faster so, forward and backward)."""
-  return (q * q.shape[-1] ** -0.5).astype(q.dtype)
-
-
-def xla(q, k, v, causal: bool, positions=None):
+def xla(q, k, v, causal: bool, positions=None, segment_ids=None):
   """`positions`: None (queries and keys counted from 0), or (query positions (batch,
-  q_length), key positions (batch, kv_length)) for inputs in any order, masked by position."""
-  if positions is None:
-    return jax.nn.dot_product_attention(_prescaled(q), k, v, is_causal=causal, scale=1.0,
+  q_length), key positions (batch, kv_length)) for inputs in any order, masked by position.
+  `segment_ids`: None, or (query ids, key ids) shaped alike: keys of other segments masked."""
+  if positions is None and segment_ids is None:
+    return jax.nn.dot_product_attention(prescaled(q), k, v, is_causal=causal, scale=1.0,
                                         implementation="xla")
-  q_positions, kv_positions = positions
-  mask = (kv_positions[:, None, None, :] <= q_positions[:, None, :, None]) if causal else None
-  return jax.nn.dot_product_attention(_prescaled(q), k, v, mask=mask, scale=1.0,
+  mask = None
+  if positions is not None and causal:
+    q_positions, kv_positions = positions
+    mask = kv_positions[:, None, None, :] <= q_positions[:, None, :, None]
+  if segment_ids is not None:
+    same = _same_segment(segment_ids)
+    mask = same if mask is None else mask & same
+  return jax.nn.dot_product_attention(prescaled(q), k, v, mask=mask,
+                                      is_causal=causal and positions is None, scale=1.0,
                                       implementation="xla")
 
 
-def cudnn(q, k, v, causal: bool):
-  return jax.nn.dot_product_attention(_prescaled(q), k, v, is_causal=causal, scale=1.0,
-                                      implementation="cudnn")
+def cudnn(q, k, v, causal: bool, segment_ids=None):
+  """cuDNN's fused kernel through `jax.nn.dot_product_attention`. With `segment_ids` (query
+  ids, key ids) the same-segment mask goes with it, which JAX hands cuDNN as a (batch, 1, q,
+  k) bias (jax 0.10: the public call has no packed-sequence layout): the one length^2 array of
+  this path."""
+  mask = None if segment_ids is None else _same_segment(segment_ids)
+  return jax.nn.dot_product_attention(prescaled(q), k, v, mask=mask, is_causal=causal,
+                                      scale=1.0, implementation="cudnn")
 
 
 def cudnn_supports(q_shape, kv_shape, head_dim: int, dtype) -> bool:
@@ -100,197 +127,13 @@ def cudnn_supports(q_shape, kv_shape, head_dim: int, dtype) -> bool:
       head_dim <= 128
 
 
-# --- blockwise --------------------------------------------------------------------------------
+# --- blockwise (models/blockwise.py) ----------------------------------------------------------
 
-def _blocks(length: int, block: int) -> tuple[int, int]:
-  """(block size, block count) for `length` positions: one block for short inputs."""
-  size = min(block, length)
-  return size, -(-length // size)
-
-
-def _visible(i, j, bq: int, bk: int, kv_length: int, causal: bool, positions=None):
-  """Which keys of block j the queries of block i see: (bq, bk) by index, or with `positions`
-  (query and key positions split into blocks, (nq, batch, bq) and (nk, batch, bk)) by
-  position, (batch, 1, 1, bq, bk)."""
-  index = j * bk + jnp.arange(bk)[None, :]
-  seen = index < kv_length
-  if positions is None:
-    return seen & (index <= i * bq + jnp.arange(bq)[:, None]) if causal else seen
-  q_positions, kv_positions = positions
-  seen = seen[None]
-  if causal:
-    seen = seen & (kv_positions[j][:, None, :] <= q_positions[i][:, :, None])
-  return jnp.broadcast_to(seen, (q_positions.shape[1], bq, bk))[:, None, None]
-
-
-def _varying_like(x, like):
-  """`x` marked as varying over the mesh axes that `like` varies over inside `jax.shard_map`
-  (its check of which values differ per device): a loop's carry that starts as a constant then
-  matches what the loop computes from `like`. Outside shard_map, `x` itself."""
-  varying = lambda a: jax.typeof(a).manual_axis_type.varying
-  axes = tuple(sorted(varying(like) - varying(x)))
-  return jax.lax.pcast(x, axes, to="varying") if axes else x
-
-
-def _unless_hidden(visible, compute, carry, positions):
-  """compute(carry), skipped when no query of the block sees a key of it: by index the loops'
-  bounds skip such blocks already, by position (any order) this test does."""
-  if positions is None:
-    return compute(carry)
-  return jax.lax.cond(visible.any(), compute, lambda c: c, carry)
-
-
-def _kv_blocks_seen(i, bq: int, bk: int, nk: int, causal: bool):
-  """Key blocks 0..n-1 hold every key that query block i sees (causal: up to its last row)."""
-  return jnp.minimum(nk, ((i + 1) * bq - 1) // bk + 1) if causal else nk
-
-
-def _split(x, count: int, size: int):
-  """(batch, length, ...) -> (count, batch, size, ...) with the length padded with zeros."""
-  pad = count * size - x.shape[1]
-  x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-  return jnp.moveaxis(x.reshape(x.shape[0], count, size, *x.shape[2:]), 1, 0)
-
-
-def _merge(x, length: int):
-  """Inverse of `_split`: (count, batch, size, ...) -> (batch, length, ...)."""
-  x = jnp.moveaxis(x, 0, 1)
-  return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :length]
-
-
-def _scores(q_block, k_block):
-  """(batch, bq, kv, group, d) x (batch, bk, kv, d) -> (batch, kv, group, bq, bk) float32."""
-  return jnp.einsum("bqkgd,bskd->bkgqs", q_block, k_block, preferred_element_type=jnp.float32)
-
-
-def _split_positions(positions, nq: int, bq: int, nk: int, bk: int, q):
-  """(query positions, key positions) (batch, length) split into blocks like q and k; None
-  stays None (index order).
-
-  Tied to q by an optimization barrier: positions usually derive from constants only, and
-  where the layers are scanned and rematerialized JAX's partial evaluation would compute every
-  block's mask (and what the masks select) ahead of the loops and keep them all, stacked over
-  the block pairs (an (nq, nk, ..., bq, bk) array: 3.4x the temporaries at 8192 positions)."""
-  if positions is None:
-    return None
-  _, positions = jax.lax.optimization_barrier((q, positions))
-  return _split(positions[0], nq, bq), _split(positions[1], nk, bk)
-
-
-def _blockwise_forward(q, k, v, positions, causal: bool, block: int):
-  """(out (batch, q_length, heads, d), logsumexp (nq, batch, kv, group, bq) float32)."""
-  batch, q_length, heads, d = q.shape
-  kv_length, kv_heads = k.shape[1], k.shape[2]
-  group = heads // kv_heads
-  bq, nq = _blocks(q_length, block)
-  bk, nk = _blocks(kv_length, block)
-  qs = _split(_prescaled(q).reshape(batch, q_length, kv_heads, group, d), nq, bq)
-  ks, vs = _split(k, nk, bk), _split(v, nk, bk)
-  blocked = _split_positions(positions, nq, bq, nk, bk, q)
-
-  def query_block(i):
-    qi = qs[i]
-
-    def key_block(j, carry):
-      visible = _visible(i, j, bq, bk, kv_length, causal, blocked)
-
-      def update(carry):
-        m, l, acc = carry
-        s = jnp.where(visible, _scores(qi, ks[j]), _MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        correction = jnp.exp(m - m_new)
-        pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vs[j],
-                        preferred_element_type=jnp.float32)
-        return m_new, l * correction + p.sum(axis=-1), acc * correction[..., None] + pv
-
-      return _unless_hidden(visible, update, carry, blocked)
-
-    stats = (batch, kv_heads, group, bq)
-    init = jax.tree.map(lambda x: _varying_like(x, q), (
-        jnp.full(stats, _MASK_VALUE, jnp.float32), jnp.zeros(stats, jnp.float32),
-        jnp.zeros(stats + (d,), jnp.float32)))
-    seen = nk if blocked is not None else _kv_blocks_seen(i, bq, bk, nk, causal)
-    m, l, acc = jax.lax.fori_loop(0, seen, key_block, init)
-    out = (acc / l[..., None]).astype(q.dtype)            # (batch, kv, group, bq, d)
-    return jnp.einsum("bkgqd->bqkgd", out), m + jnp.log(l)
-
-  out, logsumexp = jax.lax.map(query_block, jnp.arange(nq))
-  return _merge(out, q_length).reshape(batch, q_length, heads, d), logsumexp
-
-
-def _blockwise_backward(q, k, v, positions, out, logsumexp, d_out, causal: bool, block: int):
-  """dq, dk, dv: for each key block, the query blocks that see it, scores recomputed."""
-  batch, q_length, heads, d = q.shape
-  kv_length, kv_heads = k.shape[1], k.shape[2]
-  group = heads // kv_heads
-  scale = d ** -0.5
-  bq, nq = _blocks(q_length, block)
-  bk, nk = _blocks(kv_length, block)
-  grouped = lambda x: x.reshape(batch, q_length, kv_heads, group, d)
-  qs = _split(_prescaled(q).reshape(batch, q_length, kv_heads, group, d), nq, bq)
-  dos = _split(grouped(d_out), nq, bq)
-  # Row sums of d_out * out: the softmax backward's correction, (nq, batch, kv, group, bq).
-  delta = jnp.einsum("nbqkgd,nbqkgd->nbkgq", dos.astype(jnp.float32),
-                     _split(grouped(out), nq, bq).astype(jnp.float32))
-  ks, vs = _split(k, nk, bk), _split(v, nk, bk)
-  blocked = _split_positions(positions, nq, bq, nk, bk, q)
-
-  def key_block(j, dq):
-    kj, vj = ks[j], vs[j]
-
-    def query_block(i, carry):
-      qi, doi = qs[i], dos[i]
-      visible = _visible(i, j, bq, bk, kv_length, causal, blocked)
-
-      def update(carry):
-        dq, dk, dv = carry
-        s = jnp.where(visible, _scores(qi, kj), _MASK_VALUE)
-        p = jnp.exp(s - logsumexp[i][..., None])                     # (b, kv, g, bq, bk)
-        dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), doi,
-                             preferred_element_type=jnp.float32)
-        dp = jnp.einsum("bqkgd,bskd->bkgqs", doi, vj, preferred_element_type=jnp.float32)
-        ds = (p * (dp - delta[i][..., None])).astype(q.dtype)
-        dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qi, preferred_element_type=jnp.float32)
-        dqi = jnp.einsum("bkgqs,bskd->bqkgd", ds, kj, preferred_element_type=jnp.float32)
-        return dq.at[i].add(dqi * scale), dk, dv
-
-      return _unless_hidden(visible, update, carry, blocked)
-
-    first = (j * bk) // bq if causal and blocked is None else 0
-    zeros = _varying_like(jnp.zeros((batch, bk, kv_heads, d), jnp.float32), q)
-    dq, dk, dv = jax.lax.fori_loop(first, nq, query_block, (dq, zeros, zeros))
-    return dq, (dk, dv)
-
-  dq = _varying_like(jnp.zeros((nq, batch, bq, kv_heads, group, d), jnp.float32), q)
-  dq, (dk, dv) = jax.lax.scan(lambda dq, j: key_block(j, dq), dq, jnp.arange(nk))
-  dq = _merge(dq, q_length).reshape(q.shape).astype(q.dtype)
-  return dq, _merge(dk, kv_length).astype(k.dtype), _merge(dv, kv_length).astype(v.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _blockwise(q, k, v, positions, causal: bool, block: int):
-  return _blockwise_forward(q, k, v, positions, causal, block)[0]
-
-
-def _blockwise_fwd(q, k, v, positions, causal, block):
-  out, logsumexp = _blockwise_forward(q, k, v, positions, causal, block)
-  out, logsumexp = checkpoint_name(out, CONTEXT), checkpoint_name(logsumexp, CONTEXT)
-  return out, (q, k, v, positions, out, logsumexp)
-
-
-def _blockwise_bwd(causal, block, residuals, d_out):
-  dq, dk, dv = _blockwise_backward(*residuals, d_out, causal, block)
-  return dq, dk, dv, None  # positions: integers, no cotangent
-
-
-_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
-
-
-def blockwise(q, k, v, causal: bool, block: int | None = None, positions=None):
-  """Flash-style attention in plain JAX (module docstring); `block` queries/keys per block
-  (default BLOCK); `positions` as in `xla`."""
-  return _blockwise(q, k, v, positions, causal, block or BLOCK)
+def blockwise(q, k, v, causal: bool, block: int | None = None, positions=None,
+              segment_ids=None):
+  """Flash-style attention in plain JAX (`models.blockwise`); `block` queries/keys per block
+  (default BLOCK); `positions` and `segment_ids` as in `xla`."""
+  return blockwise_lib.blockwise(q, k, v, causal, block or BLOCK, positions, segment_ids)
 
 
 # --- splash (TPU) -----------------------------------------------------------------------------
@@ -300,8 +143,10 @@ def splash_block(q_length: int, kv_length: int) -> int | None:
   return next((b for b in SPLASH_BLOCKS if q_length % b == 0 and kv_length % b == 0), None)
 
 
-def _splash_local(q, k, v, causal: bool, interpret: bool):
-  """Splash on one device's block: q (batch, q_len, heads, d), k/v (batch, kv_len, kv, d)."""
+def _splash_local(q, k, v, q_segments=None, kv_segments=None, *, causal: bool,
+                  interpret: bool):
+  """Splash on one device's block: q (batch, q_len, heads, d), k/v (batch, kv_len, kv, d),
+  segment ids (batch, q_len) and (batch, kv_len) or None."""
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
       splash_attention_kernel as kernel_lib, splash_attention_mask as mask_lib)
   q_length, heads, d = q.shape[1:]
@@ -316,12 +161,17 @@ def _splash_local(q, k, v, causal: bool, interpret: bool):
           block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block),
       residual_checkpoint_name=CONTEXT, interpret=interpret)
   heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # (batch, heads, length, d)
-  out = jax.vmap(kernel)(heads_major(_prescaled(q)), heads_major(k), heads_major(v))
-  return heads_major(out)
+  q, k, v = heads_major(prescaled(q)), heads_major(k), heads_major(v)
+  if q_segments is None:
+    return heads_major(jax.vmap(kernel)(q, k, v))
+  row = lambda q, k, v, q_ids, kv_ids: kernel(
+      q, k, v, segment_ids=kernel_lib.SegmentIds(q=q_ids, kv=kv_ids))
+  return heads_major(jax.vmap(row)(q, k, v, q_segments, kv_segments))
 
 
-def splash(q, k, v, causal: bool):
-  """The Pallas splash kernel per device over the batch and head axes the rules split."""
+def splash(q, k, v, causal: bool, segment_ids=None):
+  """The Pallas splash kernel per device over the batch and head axes the rules split;
+  `segment_ids` None or (query ids, key ids), the kernel's `SegmentIds`."""
   if splash_block(q.shape[1], k.shape[1]) is None:
     raise ValueError(f"splash attention needs lengths that are multiples of 128, not "
                      f"{q.shape[1]} queries / {k.shape[1]} keys; use model.attention='auto'")
@@ -329,10 +179,12 @@ def splash(q, k, v, causal: bool):
   kv_axes = ("batch", None, kv_heads, None)
   q_axes = ("batch", None, "heads", None)
   local = functools.partial(_splash_local, causal=causal, interpret=platform() != "tpu")
+  args, in_axes = (q, k, v), (q_axes, kv_axes, kv_axes)
+  if segment_ids is not None:
+    args, in_axes = args + tuple(segment_ids), in_axes + (("batch", None),) * 2
   # check_vma=False: pallas_call refuses shard_map's varying-axes check (its outputs would need
   # a manual_axis_type, which the splash kernel does not set).
-  return sharding.shard_map(local, in_axes=(q_axes, kv_axes, kv_axes), out_axes=q_axes,
-                            check_vma=False)(q, k, v)
+  return sharding.shard_map(local, in_axes=in_axes, out_axes=q_axes, check_vma=False)(*args)
 
 
 # --- context parallelism: token positions split over devices ------------------------------
@@ -347,50 +199,65 @@ def _local_kv_heads(q, k, v):
   return jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2), "heads"
 
 
-def gathered(q, k, v, causal: bool, positions, local: Callable):
+def gathered(q, k, v, causal: bool, positions, local: Callable, segment_ids=None):
   """All-gather context parallelism: each device keeps its queries (`length` split) and reads
   every key and value (`kv_length`, whole: XLA gathers them over the mesh axes of `length`),
-  masked by position with `local` (xla or blockwise). positions (batch, length)."""
+  masked by position with `local` (xla or blockwise). positions and segment_ids (batch,
+  length); the segment ids are gathered like the positions."""
   k, v, kv_heads = _local_kv_heads(q, k, v)
   q_axes = ("batch", "length", "heads", None)
   kv_axes = ("batch", "kv_length", kv_heads, None)
+  tokens = (("batch", "length"), ("batch", "kv_length"))
 
-  def per_device(q, k, v, q_positions, kv_positions):
+  def per_device(q, k, v, q_positions, kv_positions, *segments):
     # Each device's keys and values become its own (varying) copies: their gradients are then
     # summed over the devices that share them by the cast's transpose, even inside kernels
     # with a custom VJP.
-    k, v = _varying_like(k, q), _varying_like(v, q)
-    return local(q, k, v, causal, positions=(q_positions, kv_positions))
+    k, v = varying_like(k, q), varying_like(v, q)
+    return local(q, k, v, causal, positions=(q_positions, kv_positions),
+                 segment_ids=tuple(segments) or None)
 
-  return sharding.shard_map(
-      per_device, in_axes=(q_axes, kv_axes, kv_axes, ("batch", "length"), ("batch", "kv_length")),
-      out_axes=q_axes)(q, k, v, positions, positions)
+  args, in_axes = (q, k, v, positions, positions), (q_axes, kv_axes, kv_axes) + tokens
+  if segment_ids is not None:
+    args, in_axes = args + (segment_ids, segment_ids), in_axes + tokens
+  return sharding.shard_map(per_device, in_axes=in_axes, out_axes=q_axes)(*args)
 
 
-def _ring_local(q, k, v, q_positions, kv_positions, causal: bool, axes, ways: int):
+def _ring_local(q, k, v, q_positions, kv_positions, q_segments=None, kv_segments=None, *,
+                causal: bool, axes, ways: int):
   """One device's queries against every device's key/value block, the blocks passed one step
   around the ring of `axes` (`ways` devices) with ppermute, summed with an online softmax.
   Each step runs over blocks of BLOCK queries, each rematerialized in the backward pass, so
-  the scores held at once are one query block's against one key/value block."""
+  the scores held at once are one query block's against one key/value block. Segment ids, when
+  given, travel with the key/value blocks."""
   batch, q_length, heads, d = q.shape
   kv_heads, group = k.shape[2], heads // k.shape[2]
   # Tied to q: positions from constants would otherwise have their masks computed ahead of
-  # the loops and kept (see _split_positions).
-  _, (q_positions, kv_positions) = jax.lax.optimization_barrier((q, (q_positions, kv_positions)))
+  # the loops and kept (see models.blockwise._masking).
+  tokens = (q_positions, kv_positions)
+  if q_segments is not None:
+    tokens += (q_segments, kv_segments)
+  _, tokens = jax.lax.optimization_barrier((q, tokens))
+  q_positions, kv_positions = tokens[:2]
   bq = max(b for b in range(1, min(BLOCK, q_length) + 1) if q_length % b == 0)
   nq = q_length // bq
-  qs = _split(_prescaled(q).reshape(batch, q_length, kv_heads, group, d), nq, bq)
-  q_positions = _split(q_positions, nq, bq)                           # (nq, b, bq)
+  qs = blockwise_lib.split_blocks(prescaled(q).reshape(batch, q_length, kv_heads, group, d),
+                                  nq, bq)
+  q_tokens = tuple(blockwise_lib.split_blocks(x, nq, bq)            # (nq, b, bq) each
+                   for x in (q_positions,) + tokens[2:3])
   ring_order = [(i, (i + 1) % ways) for i in range(ways)]
 
-  def accumulate(stats, k, v, kv_positions):
+  def accumulate(stats, k, v, kv_positions, kv_segments=None):
     @jax.checkpoint
     def query_block(args):
-      (m, l, acc), qi, qpos = args
-      s = _scores(qi, k)                                              # (b, kv, g, bq, s)
-      if causal:
-        seen = kv_positions[:, None, :] <= qpos[:, :, None]           # (b, bq, s)
-        s = jnp.where(seen[:, None, None], s, _MASK_VALUE)
+      (m, l, acc), qi, qpos, *qseg = args
+      s = blockwise_lib.scores(qi, k)                                 # (b, kv, g, bq, s)
+      seen = (kv_positions[:, None, :] <= qpos[:, :, None]) if causal else None  # (b, bq, s)
+      if kv_segments is not None:
+        same = kv_segments[:, None, :] == qseg[0][:, :, None]
+        seen = same if seen is None else seen & same
+      if seen is not None:
+        s = jnp.where(seen[:, None, None], s, MASK_VALUE)
       m_new = jnp.maximum(m, s.max(axis=-1))
       p = jnp.exp(s - m_new[..., None])
       correction = jnp.exp(m - m_new)
@@ -398,7 +265,7 @@ def _ring_local(q, k, v, q_positions, kv_positions, causal: bool, axes, ways: in
                       preferred_element_type=jnp.float32)
       return m_new, l * correction + p.sum(axis=-1), acc * correction[..., None] + pv
 
-    return jax.lax.map(query_block, (stats, qs, q_positions))
+    return jax.lax.map(query_block, (stats, qs) + q_tokens)
 
   # Saved per ring step for the backward pass: the running statistics and the visiting block,
   # not its scores (recomputed), so memory stays linear in the length.
@@ -408,32 +275,35 @@ def _ring_local(q, k, v, q_positions, kv_positions, causal: bool, axes, ways: in
     blocks = tuple(jax.lax.ppermute(x, axes, ring_order) for x in blocks)
     return (accumulate(stats, *blocks), blocks), None
 
+  visiting = (k, v, kv_positions) + tokens[3:]
   stats = (nq, batch, kv_heads, group, bq)
-  stats = accumulate(jax.tree.map(lambda x: _varying_like(x, q), (
-      jnp.full(stats, _MASK_VALUE, jnp.float32), jnp.zeros(stats, jnp.float32),
-      jnp.zeros(stats + (d,), jnp.float32))), k, v, kv_positions)
+  stats = accumulate(jax.tree.map(lambda x: varying_like(x, q), (
+      jnp.full(stats, MASK_VALUE, jnp.float32), jnp.zeros(stats, jnp.float32),
+      jnp.zeros(stats + (d,), jnp.float32))), *visiting)
   if ways > 1:
-    (stats, _), _ = jax.lax.scan(step, (stats, (k, v, kv_positions)), None, length=ways - 1)
+    (stats, _), _ = jax.lax.scan(step, (stats, visiting), None, length=ways - 1)
   _, l, acc = stats
   out = (acc / l[..., None]).astype(q.dtype)                          # (nq, b, kv, g, bq, d)
   out = jnp.einsum("nbkgqd->nbqkgd", out)
-  return _merge(out, q_length).reshape(batch, q_length, heads, d)
+  return blockwise_lib.merge_blocks(out, q_length).reshape(batch, q_length, heads, d)
 
 
-def ring(q, k, v, causal: bool, positions=None):
+def ring(q, k, v, causal: bool, positions=None, segment_ids=None):
   """Ring attention over the mesh axes the rules split `length` over (one device: plain
-  attention). positions (batch, length), default 0..length-1: self-attention, so queries and
-  keys share them."""
+  attention). positions (batch, length), default 0..length-1, and segment_ids (batch, length)
+  or None: self-attention, so queries and keys share them."""
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
   axes, ways = sharding.active_axes("length"), sharding.active_ways("length")
   k, v, kv_heads = _local_kv_heads(q, k, v)
   q_axes = ("batch", "length", "heads", None)
   kv_axes = ("batch", "length", kv_heads, None)
+  tokens = (("batch", "length"),) * 2
   local = functools.partial(_ring_local, causal=causal, axes=axes, ways=ways)
-  return sharding.shard_map(
-      local, in_axes=(q_axes, kv_axes, kv_axes, ("batch", "length"), ("batch", "length")),
-      out_axes=q_axes)(q, k, v, positions, positions)
+  args, in_axes = (q, k, v, positions, positions), (q_axes, kv_axes, kv_axes) + tokens
+  if segment_ids is not None:
+    args, in_axes = args + (segment_ids, segment_ids), in_axes + tokens
+  return sharding.shard_map(local, in_axes=in_axes, out_axes=q_axes)(*args)
 
 
 # --- selection --------------------------------------------------------------------------------
@@ -468,26 +338,46 @@ def resolve(implementation: str, q_shape, kv_shape, dtype, on: str | None = None
   return "blockwise" if kv_length >= BLOCKWISE_FROM else "xla"
 
 
-def attend(q, k, v, causal: bool = True, implementation: str = "auto", positions=None):
+def _blockwise_per_device(q, k, v, causal: bool, segment_ids):
+  """blockwise with segment ids (batch, length) per device over the batch and head axes the
+  rules split: each device skips the block pairs its own rows do not need (a skip decided on
+  the global batch would wait on every device's rows)."""
+  k, v, kv_heads = _local_kv_heads(q, k, v)
+  q_axes = ("batch", None, "heads", None)
+  kv_axes = ("batch", None, kv_heads, None)
+  local = lambda q, k, v, ids: blockwise(q, k, v, causal, segment_ids=(ids, ids))
+  return sharding.shard_map(local, in_axes=(q_axes, kv_axes, kv_axes, ("batch", None)),
+                            out_axes=q_axes)(q, k, v, segment_ids)
+
+
+def attend(q, k, v, causal: bool = True, implementation: str = "auto", positions=None,
+           segment_ids=None):
   """Attention by `implementation` (module docstring); the output is named CONTEXT.
 
   `positions` (batch, length) are the tokens' positions when q, k and v come from the same
   tokens (self-attention). When the active rules split `length` over devices (context
   parallelism, whose inputs come in `sharding.sequence`'s balanced order) and with `ring`,
-  attention masks by them (default 0..length-1); otherwise by index, as the module says."""
+  attention masks by them (default 0..length-1); otherwise by index, as the module says.
+  `segment_ids` (batch, length), self-attention too: packed documents, each attending only
+  within itself (module docstring); None: one sequence per row."""
   name = resolve(implementation, q.shape, k.shape, q.dtype)
   if name not in IMPLEMENTATIONS:
     raise ValueError(f"attention implementation {name!r} is unknown; choose one of "
                      f"{', '.join(CHOICES)}")
   if name != "ring" and sharding.active_ways("length") == 1:
-    return checkpoint_name(IMPLEMENTATIONS[name](q, k, v, causal), CONTEXT)
+    if segment_ids is None:
+      return checkpoint_name(IMPLEMENTATIONS[name](q, k, v, causal), CONTEXT)
+    if name == "blockwise":
+      return checkpoint_name(_blockwise_per_device(q, k, v, causal, segment_ids), CONTEXT)
+    pair = (segment_ids, segment_ids)
+    return checkpoint_name(IMPLEMENTATIONS[name](q, k, v, causal, segment_ids=pair), CONTEXT)
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
   if name == "ring":
-    return checkpoint_name(ring(q, k, v, causal, positions), CONTEXT)
+    return checkpoint_name(ring(q, k, v, causal, positions, segment_ids), CONTEXT)
   if name not in SPLIT_LENGTH:
     raise ValueError(f"model.attention={name!r} cannot run with the token positions split over "
                      f"devices (a sequence mesh axis); use one of auto, "
                      f"{', '.join(SPLIT_LENGTH)}, ring")
-  return checkpoint_name(gathered(q, k, v, causal, positions, SPLIT_LENGTH[name]), CONTEXT)
-
+  return checkpoint_name(gathered(q, k, v, causal, positions, SPLIT_LENGTH[name], segment_ids),
+                         CONTEXT)

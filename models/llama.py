@@ -17,7 +17,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models import attention as attention_lib
-from models import moe, rope
+from models import lora, moe, rope
+from models import paged, quantization
 from models.linear import dense
 from models.llama_config import LlamaConfig
 from models.params import normal as _param
@@ -55,13 +56,18 @@ class Attention(nnx.Module):
                      cfg.param_dtype)
     self.wo = _param(rngs, (cfg.n_heads, hd, d), ("heads", "head_dim", "embed"), out_std,
                      cfg.param_dtype)
+    # LoRA updates of the projections cfg.lora_targets names (None for the others).
+    self.lora_q = lora.adapter(cfg, "q", rngs, ("embed",), ("heads", "head_dim"))
+    self.lora_k = lora.adapter(cfg, "k", rngs, ("embed",), ("kv_heads", "head_dim"))
+    self.lora_v = lora.adapter(cfg, "v", rngs, ("embed",), ("kv_heads", "head_dim"))
+    self.lora_o = lora.adapter(cfg, "o", rngs, ("heads", "head_dim"), ("embed",))
 
   def _project(self, x: jax.Array, positions: jax.Array):
     """Queries, keys and values with rotary positions applied: (batch, length, heads, head_dim)."""
     dtype = x.dtype
-    q = dense(x, self.wq[...].astype(dtype))
-    k = dense(x, self.wk[...].astype(dtype))
-    v = dense(x, self.wv[...].astype(dtype))
+    q = lora.add(self.lora_q, x, dense(x, self.wq[...].astype(dtype)))
+    k = lora.add(self.lora_k, x, dense(x, self.wk[...].astype(dtype)))
+    v = lora.add(self.lora_v, x, dense(x, self.wv[...].astype(dtype)))
     inv_freq = rope.frequencies(self.cfg)
     q = constrain(rope.rotary(q, positions, inv_freq), ("batch", "length", "heads", None))
     k = constrain(rope.rotary(k, positions, inv_freq), ("batch", "length", "kv_heads", None))
@@ -69,15 +75,20 @@ class Attention(nnx.Module):
     return checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
 
   def _output(self, out: jax.Array) -> jax.Array:
-    return dense(out, self.wo[...].astype(out.dtype), contract=2)
+    return lora.add(self.lora_o, out, dense(out, self.wo[...].astype(out.dtype), contract=2))
 
-  def _attend(self, q, k, v, causal: bool, positions: jax.Array):
+  def _attend(self, q, k, v, causal: bool, positions: jax.Array,
+              segment_ids: jax.Array | None = None):
     return attention_lib.attend(q, k, v, causal=causal, implementation=self.cfg.attention,
-                                positions=positions)
+                                positions=positions, segment_ids=segment_ids)
 
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+    """Self-attention of x (batch, length, embed); with `segment_ids` (batch, length) each
+    packed document attends only within itself (models/attention.py), rotary positions then
+    per document."""
     q, k, v = self._project(x, positions)
-    return self._output(self._attend(q, k, v, self.cfg.causal, positions))
+    return self._output(self._attend(q, k, v, self.cfg.causal, positions, segment_ids))
 
   def prefill(self, x: jax.Array, positions: jax.Array):
     """Causal self-attention over a prompt, also returning its keys and values (the rows it
@@ -86,12 +97,19 @@ class Attention(nnx.Module):
     return self._output(self._attend(q, k, v, True, positions)), k, v
 
   def decode(self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array],
-             layer):
+             layer, pages=None):
     """One new token per row. x (batch, 1, embed) at positions (batch, 1); cache the stacked
     (keys, values), each (layers, batch, cache_length, kv_heads, head_dim), and `layer` this
     layer's index in it. Writes the token's key and value at its position, in place, then
-    attends to cache positions 0..position of its own row."""
+    attends to cache positions 0..position of its own row.
+
+    With `pages` (models/paged.py's Rows) the cache is paged and x (tokens, 1, embed) holds
+    the step's tokens of every row, laid out as models/paged.py says, at positions (tokens,
+    1)."""
     q, k, v = self._project(x, positions)
+    if pages is not None:
+      out, cache = paged.write_and_attend(q, k, v, cache, layer, pages, positions)
+      return self._output(out), cache
     cache_k, cache_v = (write_cache(c, layer, positions[:, 0], new)
                         for c, new in zip(cache, (k, v)))
     layer_k, layer_v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False).astype(q.dtype)
@@ -108,13 +126,17 @@ class MLP(nnx.Module):
     self.w_up = _param(rngs, (d, cfg.mlp_dim), ("embed", "mlp"), std, cfg.param_dtype)
     self.w_down = _param(rngs, (cfg.mlp_dim, d), ("mlp", "embed"),
                          std / math.sqrt(2 * cfg.n_layers), cfg.param_dtype)
+    self.lora_gate = lora.adapter(cfg, "gate", rngs, ("embed",), ("mlp",))
+    self.lora_up = lora.adapter(cfg, "up", rngs, ("embed",), ("mlp",))
+    self.lora_down = lora.adapter(cfg, "down", rngs, ("mlp",), ("embed",))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     dtype = x.dtype
-    gate = checkpoint_name(dense(x, self.w_gate[...].astype(dtype)), "mlp_gate")
-    up = checkpoint_name(dense(x, self.w_up[...].astype(dtype)), "mlp_up")
+    gate = lora.add(self.lora_gate, x, dense(x, self.w_gate[...].astype(dtype)))
+    up = lora.add(self.lora_up, x, dense(x, self.w_up[...].astype(dtype)))
+    gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-    return dense(hidden, self.w_down[...].astype(dtype))
+    return lora.add(self.lora_down, hidden, dense(hidden, self.w_down[...].astype(dtype)))
 
 
 class Block(nnx.Module):
@@ -127,8 +149,9 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg)
     self.mlp = moe.MoE(cfg, rngs) if experts else MLP(cfg, rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    x = x + self.attention(self.attention_norm(x), positions)
+  def __call__(self, x: jax.Array, positions: jax.Array,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+    x = x + self.attention(self.attention_norm(x), positions, segment_ids)
     x = x + self.mlp(self.mlp_norm(x))
     return constrain(x, ("batch", "length", "embed"))
 
@@ -140,10 +163,11 @@ class Block(nnx.Module):
     return constrain(x, ("batch", "length", "embed")), (k, v)
 
   def decode(self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array],
-             layer):
-    """One token per row against the stacked (keys, values) cache at `layer`; returns x and
-    the cache with this layer's new token written."""
-    attended, cache = self.attention.decode(self.attention_norm(x), positions, cache, layer)
+             layer, pages=None):
+    """One token per row against the stacked (keys, values) cache at `layer` (paged with
+    `pages`: Attention.decode); returns x and the cache with this layer's new token written."""
+    attended, cache = self.attention.decode(self.attention_norm(x), positions, cache, layer,
+                                            pages)
     x = x + attended
     x = x + self.mlp(self.mlp_norm(x))
     return constrain(x, ("batch", "length", "embed")), cache
@@ -158,9 +182,10 @@ class Group(nnx.Module):
     self.blocks = nnx.List([Block(cfg, rngs, experts=i == cfg.moe_every - 1)
                             for i in range(cfg.moe_every)])
 
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     for block in self.blocks:
-      x = block(x, positions)
+      x = block(x, positions, segment_ids)
     return x
 
   def prefill(self, x: jax.Array, positions: jax.Array):
@@ -171,10 +196,10 @@ class Group(nnx.Module):
     return x, jax.tree.map(lambda *c: jnp.stack(c), *caches)
 
   def decode(self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array],
-             unit):
+             unit, pages=None):
     """Block i of this group is layer unit * len(blocks) + i of the stacked cache."""
     for i, block in enumerate(self.blocks):
-      x, cache = block.decode(x, positions, cache, unit * len(self.blocks) + i)
+      x, cache = block.decode(x, positions, cache, unit * len(self.blocks) + i, pages)
     return x, cache
 
 
@@ -210,8 +235,21 @@ def init_cache(cfg: LlamaConfig, batch: int, cache_length: int) -> KVCache:
   return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
 
 
+def init_paged_cache(cfg: LlamaConfig, pages: int, page_size: int) -> KVCache:
+  """An empty paged KV cache (models/paged.py): `pages` pages of `page_size` positions each,
+  (layers, kv_heads, pages, page_size, head_dim) for keys and values, compute dtype."""
+  return paged.init(cfg.n_layers, cfg.n_kv_heads, cfg.resolved_head_dim, pages, page_size,
+                    cfg.compute_dtype)
+
+
 class Llama(nnx.Module):
-  """tokens (batch, length) int32 -> logits (batch, length, vocab) float32."""
+  """tokens (batch, length) int32 -> logits (batch, length, vocab) float32.
+
+  `positions` (batch, length) int: each token's position for the rotary embedding (default
+  0..length-1). `segment_ids` (batch, length) int: for rows packed with several documents,
+  which one each token belongs to (1, 2, ...; 0 padding); attention then stays within each
+  document, and `positions` restart at 0 with each (models/attention.py). None: one sequence
+  per row."""
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -227,28 +265,33 @@ class Llama(nnx.Module):
       self.unembed = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                             cfg.init_std, cfg.param_dtype)
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-    return self._logits(self.features(tokens, positions))
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+    return self._logits(self.features(tokens, positions, segment_ids))
 
-  def features(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+  def features(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     """The final norm's output (batch, length, embed) in the compute dtype: what the
     unembedding turns into logits. Losses that never hold full logits start here."""
-    return self.features_and_aux(tokens, positions)[0]
+    return self.features_and_aux(tokens, positions, segment_ids)[0]
 
-  def logits_and_aux(self, tokens: jax.Array, positions: jax.Array | None = None):
+  def logits_and_aux(self, tokens: jax.Array, positions: jax.Array | None = None,
+                     segment_ids: jax.Array | None = None):
     """(logits, auxiliary loss, metrics), as `features_and_aux` with the features turned into
     logits."""
-    features, aux_loss, metrics = self.features_and_aux(tokens, positions)
+    features, aux_loss, metrics = self.features_and_aux(tokens, positions, segment_ids)
     return self._logits(features), aux_loss, metrics
 
-  def features_and_aux(self, tokens: jax.Array, positions: jax.Array | None = None):
+  def features_and_aux(self, tokens: jax.Array, positions: jax.Array | None = None,
+                       segment_ids: jax.Array | None = None):
     """(features, auxiliary loss, metrics): `features`, the loss the router adds to training
     (weighted by the config; 0 for a dense model) and its metrics ({} for a dense model),
-    models/moe.py's `summarize`."""
+    models/moe.py's `summarize`. The router sees every position, padding included (it takes
+    expert slots like any token)."""
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x = self._embed(tokens)
-    x, router_stats = run_layers(self.layers, self.cfg, x, positions)
+    x, router_stats = run_layers(self.layers, self.cfg, x, positions, segment_ids)
     return (self.final_norm(x), *moe.summarize(router_stats, self.cfg))
 
   def unembedding(self) -> tuple[jax.Array, str]:
@@ -299,8 +342,26 @@ class Llama(nnx.Module):
     """One token per row: tokens and positions (batch,), cache as from `init_cache` with
     positions 0..position-1 of each row filled. Returns logits (batch, vocab) float32 and the
     cache with each row's token written at its position."""
-    positions = positions[:, None]
-    x = self._embed(tokens[:, None])
+    x, cache = self._through_cache(self._embed(tokens[:, None]), positions[:, None], cache)
+    return self._logits(self.final_norm(x))[:, 0], cache
+
+  def extend(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, rows: paged.Rows,
+             last: jax.Array) -> tuple[jax.Array, KVCache]:
+    """A step against a paged cache (models/paged.py): each row's next tokens (one when
+    decoding, a chunk of a prompt when prefilling) through the model. tokens and positions
+    (tokens,) are every row's tokens laid out as models/paged.py says; `rows` their groups,
+    page tables and counts; last (rows,) the index in `tokens` of each row's last real token.
+    Returns the logits there (rows, vocab) float32 and the cache with the real tokens' keys
+    and values written (padding is never written)."""
+    x, cache = self._through_cache(self._embed(tokens[:, None]), positions[:, None], cache,
+                                   rows)
+    x = constrain(jnp.take(x, last, axis=0), ("batch", "length", "embed"))
+    return self._logits(self.final_norm(x))[:, 0], cache
+
+  def _through_cache(self, x: jax.Array, positions: jax.Array, cache: KVCache, pages=None):
+    """The layers over x (batch, length, embed) reading and writing `cache` (contiguous, or
+    paged with `pages`, models/paged.py's Rows). Int8 weights (models/quantization.py) are
+    turned back into the compute dtype one layer at a time, inside the loop."""
     graphdef, stacked = nnx.split(self.layers)
     units = jax.tree.leaves(stacked)[0].shape[0]
 
@@ -309,13 +370,14 @@ class Llama(nnx.Module):
     def body(carry, inputs):
       h, layer_cache = carry
       unit_state, unit = inputs
-      unit_module = nnx.merge(graphdef, unit_state)
-      step = lambda module, h_: module.decode(h_, positions, layer_cache, unit)
+      unit_module = nnx.merge(graphdef, quantization.dequantized(unit_state,
+                                                                 self.cfg.compute_dtype))
+      step = lambda module, h_: module.decode(h_, positions, layer_cache, unit, pages)
       return moe.capture_router_stats(step, unit_module, h)[0], None  # stats unused
 
     (x, (k, v)), _ = scan_or_unroll(body, (x, (cache["k"], cache["v"])),
                                     (stacked, jnp.arange(units)), self.cfg.scan_layers)
-    return self._logits(self.final_norm(x))[:, 0], {"k": k, "v": v}
+    return x, {"k": k, "v": v}
 
   def _layers_with_cache(self, x: jax.Array, apply, per_layer):
     """Runs `apply(unit, x, per_layer[i]) -> (x, out_i)` over the stacked units (scanned or

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from models import attention as attention_lib
-from models import moe, pipeline, rope
+from models import lora, moe, pipeline, rope
 from models.stack import REMAT_POLICIES, RematPolicy
 
 
@@ -65,6 +65,14 @@ class LlamaConfig:
   expert_exchange: str = "ring"
   load_balance_weight: float = 0.01
   router_z_weight: float = 0.001
+  # LoRA adapters (models/lora.py): lora_rank 0 is none. With a rank, each projection named in
+  # lora_targets (q, k, v, o: attention; gate, up, down: a dense MLP) gets a trained float32
+  # update (lora_alpha / lora_rank) x dropout(x) A B, and every other weight is frozen, stored
+  # in param_dtype (bfloat16 halves the base's memory), with no gradient or optimizer state.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_dropout: float = 0.0
+  lora_targets: str = "q,k,v,o,gate,up,down"
 
   @property
   def resolved_head_dim(self) -> int:
@@ -112,6 +120,7 @@ class LlamaConfig:
     rope.validate(self, field)
     moe.validate(self, field)
     pipeline.validate(self, field)
+    lora.validate(self, field)
 
   def layer_matmul_params(self, active: bool = False) -> float:
     """Matmul weights of one layer, averaged over the layers (MoE layers count all their
@@ -131,10 +140,13 @@ class LlamaConfig:
   def flops_per_token(self, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward): 6 x matmul parameters a token uses (the
     router and its experts_per_token experts in an MoE layer) plus attention scores and
-    values, counted as in the PaLM paper's appendix B (no causal discount)."""
+    values, counted as in the PaLM paper's appendix B (no causal discount). With LoRA the
+    frozen weights cost 4 (no weight gradient) and the adapters 6 per parameter."""
     matmul_params = (self.n_layers * self.layer_matmul_params(active=True)
                      + self.vocab_size * self.d_model)
     attention = 12 * self.n_layers * self.n_heads * self.resolved_head_dim * seq_len
+    if self.lora_rank:
+      return 4 * matmul_params + 6 * lora.trainable_count(self) + attention
     return 6 * matmul_params + attention
 
 
@@ -147,7 +159,8 @@ PRESETS: dict[str, LlamaConfig] = {
                        mlp_dim=384),
     # Real shapes for ahead-of-time compiles. 125m: GPT-3 Small widths with a Llama MLP and
     # untied 32k vocabulary (134 M in all, 85 M without embeddings); 1b is Llama 3.2 1B (its
-    # config.json's values, RoPE scaling included), 7b Llama 2 7B, 70b Llama 2 70B (32k vocab).
+    # config.json's values, RoPE scaling included), 8b Llama 3.1 8B (likewise), 7b Llama 2 7B,
+    # 70b Llama 2 70B (32k vocab).
     "125m": LlamaConfig(vocab_size=32_000, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12,
                         mlp_dim=2048, param_dtype="float32", compute_dtype="bfloat16"),
     "1b": LlamaConfig(vocab_size=128_256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
@@ -155,6 +168,11 @@ PRESETS: dict[str, LlamaConfig] = {
                       rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                       rope_original_max_positions=8192, norm_eps=1e-5, tie_embeddings=True,
                       compute_dtype="bfloat16", remat="full"),
+    "8b": LlamaConfig(vocab_size=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      mlp_dim=14_336, rope_theta=500_000.0, rope_type="llama3", rope_factor=8.0,
+                      rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                      rope_original_max_positions=8192, norm_eps=1e-5, compute_dtype="bfloat16",
+                      remat="full"),
     "7b": LlamaConfig(vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                       mlp_dim=11_008, compute_dtype="bfloat16", remat="minimal"),
     "70b": LlamaConfig(vocab_size=32_000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,

@@ -85,7 +85,7 @@ def _merge_rows(x):
   return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
-def run(stage: Callable, stacked, x: jax.Array, positions: jax.Array, microbatches: int,
+def run(stage: Callable, stacked, x: jax.Array, positions, microbatches: int,
         repeats: int = 1, bubble: float = 0.0) -> jax.Array:
   """x (batch, length, embed) through the stacked layers as a pipeline (module docstring).
 
@@ -93,7 +93,8 @@ def run(stage: Callable, stacked, x: jax.Array, positions: jax.Array, microbatch
     stage: `stage(layers, x, positions) -> x` running one stage's consecutive layers, the
       parameters `layers` stacked along their leading axis.
     stacked: the parameters of all layers, each leaf (n_layers, ...).
-    positions: (batch, length) int, moved through the pipeline with the rows.
+    positions: (batch, length) int, or a pytree of such arrays (the positions and the segment
+      ids of packed documents), moved through the pipeline with the rows.
     repeats: R, the circular schedule's rounds (1: GPipe).
     bubble: what the buffers hold where no micro-batch is (tests write NaN there).
   """
@@ -103,7 +104,8 @@ def run(stage: Callable, stacked, x: jax.Array, positions: jax.Array, microbatch
   by_stage = jax.tree.map(lambda a: jnp.swapaxes(
       a.reshape(repeats, stages, a.shape[0] // (stages * repeats), *a.shape[1:]), 0, 1),
                           stacked)
-  micro, micro_positions = _split_rows(x, microbatches), _split_rows(positions, microbatches)
+  micro = _split_rows(x, microbatches)
+  micro_positions = jax.tree.map(lambda a: _split_rows(a, microbatches), positions)
   per_stage = lambda a: sharding.constrain(a, ("layers", "batch", "length", "embed")[:a.ndim])
 
   def one_stage(layers, round_, h, pos):
@@ -120,7 +122,8 @@ def run(stage: Callable, stacked, x: jax.Array, positions: jax.Array, microbatch
     slot = t % microbatches
     entering = jnp.where(t < microbatches, micro[slot], done[slot])
     state = jnp.roll(out, 1, axis=0).at[0].set(entering.astype(out.dtype))
-    pos = jnp.roll(pos, 1, axis=0).at[0].set(micro_positions[slot])
+    pos = jax.tree.map(lambda p, m: jnp.roll(p, 1, axis=0).at[0].set(m[slot]), pos,
+                       micro_positions)
     item = t - index                                  # what each stage works on, if anything
     working = (item >= 0) & (item < items)
     state = per_stage(jnp.where(working[:, None, None, None], state, 0))
@@ -131,7 +134,7 @@ def run(stage: Callable, stacked, x: jax.Array, positions: jax.Array, microbatch
     return (out, pos, done), None
 
   out = per_stage(jnp.full((stages, *micro.shape[1:]), bubble, x.dtype))
-  pos = jnp.zeros((stages, *micro_positions.shape[1:]), positions.dtype)
+  pos = jax.tree.map(lambda m: jnp.zeros((stages, *m.shape[1:]), m.dtype), micro_positions)
   done = jnp.full(micro.shape, bubble, x.dtype)
   (_, _, done), _ = jax.lax.scan(iteration, (out, pos, done),
                                  jnp.arange(items + stages - 1))

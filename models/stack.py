@@ -11,7 +11,7 @@ from flax import nnx
 
 import sharding
 from models import attention as attention_lib
-from models import moe, pipeline
+from models import lora, moe, pipeline
 
 # What each layer keeps for the backward pass (the rest is recomputed there):
 #   none            everything
@@ -46,34 +46,43 @@ def scan_or_unroll(body, carry, xs, scan: bool):
   return carry, jax.tree.map(lambda *a: jnp.stack(a), *outputs)
 
 
-def run_layers(layers: nnx.Module, cfg, x: jax.Array,
-               positions: jax.Array) -> tuple[jax.Array, list[dict[str, jax.Array]]]:
+def run_layers(layers: nnx.Module, cfg, x: jax.Array, positions: jax.Array,
+               segment_ids: jax.Array | None = None
+               ) -> tuple[jax.Array, list[dict[str, jax.Array]]]:
   """Applies stacked blocks (one Block, or Group, vmapped over "layers") in order: scanned or
   unrolled per cfg.scan_layers, each under cfg.remat. Returns x and the router statistics of
   the MoE blocks (`moe.capture_router_stats`, stacked over layers; [] for a dense model). Shared
-  by the LM and encoders such as the ViT."""
+  by the LM and encoders such as the ViT. `segment_ids` (batch, length), packed documents, go
+  to each layer beside the positions (layers that take them: models/llama.py)."""
   graphdef, stacked = nnx.split(layers)
   if sharding.active_ways("layers") > 1:  # a pipeline over the stage axes (no router stats)
-    return _pipelined(graphdef, stacked, cfg, x, positions), []
+    return _pipelined(graphdef, stacked, cfg, x, positions, segment_ids), []
+  tokens = (positions,) if segment_ids is None else (positions, segment_ids)
 
-  def body(carry: jax.Array, layer_state):
-    return moe.capture_router_stats(lambda layer, x: layer(x, positions),
-                                    nnx.merge(graphdef, layer_state), carry)
+  def body(carry: jax.Array, inputs):
+    layer_state, index = inputs
+    with lora.layer(index):  # each layer draws its own LoRA dropout masks
+      return moe.capture_router_stats(lambda layer, x: layer(x, *tokens),
+                                      nnx.merge(graphdef, layer_state), carry)
 
   if cfg.remat != "none":
     body = jax.checkpoint(body, policy=_POLICIES[cfg.remat])
-  return scan_or_unroll(body, x, stacked, cfg.scan_layers)
+  units = jax.tree.leaves(stacked)[0].shape[0]
+  return scan_or_unroll(body, x, (stacked, jnp.arange(units)), cfg.scan_layers)
 
 
-def _pipelined(graphdef, stacked, cfg, x: jax.Array, positions: jax.Array) -> jax.Array:
-  """run_layers' loop as a pipeline: each stage runs its consecutive layers as above."""
-  def stage(stage_layers, h, stage_positions):
+def _pipelined(graphdef, stacked, cfg, x: jax.Array, positions: jax.Array,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+  """run_layers' loop as a pipeline: each stage runs its consecutive layers as above; the
+  positions (and segment ids) move through the stages with their rows."""
+  def stage(stage_layers, h, stage_tokens):
     def layer(carry, layer_state):
-      return nnx.merge(graphdef, layer_state)(carry, stage_positions), None
+      return nnx.merge(graphdef, layer_state)(carry, *stage_tokens), None
 
     if cfg.remat != "none":
       layer = jax.checkpoint(layer, policy=_POLICIES[cfg.remat])
     return scan_or_unroll(layer, h, stage_layers, cfg.scan_layers)[0]
 
-  return pipeline.run(stage, stacked, x, positions, cfg.pipeline_microbatches,
+  tokens = (positions,) if segment_ids is None else (positions, segment_ids)
+  return pipeline.run(stage, stacked, x, tokens, cfg.pipeline_microbatches,
                       cfg.pipeline_repeats)

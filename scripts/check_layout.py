@@ -8,7 +8,8 @@ The direction, lowest first (a module may import its own layer and the layers be
   sharding  <-  models  <-  toolkit's shared helpers (errors, accelerators, workdir,
   runtime, command_line)  <-  toolkit/data, toolkit/hf  <-  toolkit/training  <-  the other
   toolkit/<concern> subpackages (pod, inference, tuning, ...; never each other)  <-
-  toolkit's commands (toolkit/*.py)  <-  experiments, scripts
+  toolkit/evaluation (the harness on the inference engine)  <-  toolkit's commands
+  (toolkit/*.py)  <-  experiments, scripts
 
 Sizes: no module over 500 lines, no function over 80 lines (nested functions count towards
 the function they sit in), outside tests/.
@@ -66,7 +67,7 @@ def layer(module: str, known: dict[str, pathlib.Path]) -> tuple[int, str]:
   if parts[0] == "models":
     return 1, "models"
   if parts[0] in ("experiments", "scripts"):
-    return 6, parts[0]
+    return 7, parts[0]
   if module in SHARED:
     return 2, "shared"
   package = ".".join(parts[:2])
@@ -74,9 +75,10 @@ def layer(module: str, known: dict[str, pathlib.Path]) -> tuple[int, str]:
     concern = parts[1]
     # hf (the Hugging Face format) ranks with data: training's `init_from=hf:DIR` reads
     # weights through it.
-    return {"data": (3, "data"), "hf": (3, "hf"),
-            "training": (4, "training")}.get(concern, (5, concern))
-  return 6, "commands"  # toolkit/<command>.py
+    # evaluation runs the harness on inference's engine: above the other concerns.
+    return {"data": (3, "data"), "hf": (3, "hf"), "training": (4, "training"),
+            "evaluation": (6, "evaluation")}.get(concern, (5, concern))
+  return 7, "commands"  # toolkit/<command>.py
 
 
 def imports(path: pathlib.Path, known: dict[str, pathlib.Path]) -> list[tuple[str, int]]:

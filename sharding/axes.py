@@ -17,4 +17,5 @@ LOGICAL_AXES: dict[str, str] = {
     "classes": "output classes of a classifier head",
     "patch": "flattened image-patch features",
     "trial": "the trials of a population sweep, trained together in one program",
+    "lora_rank": "the rank of a LoRA adapter's low-rank update (small: replicated everywhere)",
 }

@@ -23,6 +23,9 @@ from sharding.mesh import MESH_AXES
 Table = Mapping[str, tuple[str, ...]]
 
 _BATCH = ("data", "fsdp")
+# Every logical name starts replicated; a preset lists the ones it splits. `lora_rank` (a LoRA
+# adapter's rank, a few dozen wide) is replicated in every preset: an adapter's matrices split
+# along the axes they share with their weight (embed, heads, mlp).
 _REPLICATED: Table = {name: () for name in LOGICAL_AXES}
 # Every preset splits a population's trials over the `population` mesh axis, parameters and
 # activations alike; meshes without that axis (every single run) drop it.

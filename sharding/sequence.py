@@ -4,9 +4,12 @@ Split in plain order over CP devices, causal attention is lopsided: the device h
 positions attends to every key, the first to almost none. So each sequence is cut into 2 x CP
 equal chunks and device i gets chunks i and 2 x CP - 1 - i: with 2 devices and 4 chunks,
 device 0 holds chunks (0, 3), device 1 chunks (1, 2), and every device sees the same number of
-unmasked (query, key) pairs. Tokens, targets and their positions move together, so a batch is
-the same set of (token, target) pairs in another order; attention then masks by position, not
-by index (`models.attention`), and the mean loss does not change.
+unmasked (query, key) pairs. Tokens, targets and their positions move together (with packed
+documents also their segment ids and loss weights), so a batch is the same set of (token,
+target) pairs in another order; attention then masks by position (and segment), not by index
+(`models.attention`), and the (weighted) mean loss does not change. Packed rows balance less
+evenly: a document sees only its own keys, so the causal work per device depends on where the
+documents end (each device still holds two mirrored chunks of the row).
 
   order(8, 2)         -> [0 1 6 7 2 3 4 5]   (the position at each index, per row)
   balance(x, ways)    x (batch, length, ...) in that order; `unbalance` undoes it

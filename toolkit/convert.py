@@ -5,7 +5,10 @@
 
 (`python scripts/tiny_hf_model.py --out=runs/hf_tiny` makes a tiny random model to try them.)
 `import` also takes --config=experiments/lm.py:cpu (the mesh and rules to place the weights);
-`export` takes --step=N (default the latest) and --hf_source=DIR (tokenizer files from there).
+`export` takes --step=N (default the latest) and --hf_source=DIR (tokenizer files from there),
+and for a run with LoRA adapters one of --merge_lora (the adapters merged into the weights: a
+plain model folder) and --peft (adapter_config.json + adapter_model.safetensors, which
+`peft.PeftModel.from_pretrained` loads on top of the base model).
 
 `import` writes a workdir whose step-0 checkpoint `toolkit.train` continues (fine-tuning) and
 `toolkit.generate` / `toolkit.serve` load; `export` writes config.json, safetensors shards and
@@ -16,7 +19,7 @@ from __future__ import annotations
 IMPORT, EXPORT = "import", "export"
 # Flags that only one command reads: giving them to the other is a mistake.
 _ONLY = {"hf": IMPORT, "config": IMPORT, "out": EXPORT, "step": EXPORT, "hf_source": EXPORT,
-         "max_shard_mb": EXPORT}
+         "max_shard_mb": EXPORT, "merge_lora": EXPORT, "peft": EXPORT}
 
 
 def cli() -> None:
@@ -46,6 +49,12 @@ def cli() -> None:
                                     "max_position_embeddings (default: train.init_from's).")
   shard_flag = flags.DEFINE_integer("max_shard_mb", 2000, "export: the largest safetensors "
                                     "shard, in MB (10^6 bytes).", lower_bound=1)
+  merge_flag = flags.DEFINE_boolean("merge_lora", False, "export: a run with LoRA adapters, "
+                                    "written as one model with each adapter merged into its "
+                                    "weight (W + alpha / rank x A B).")
+  peft_flag = flags.DEFINE_boolean("peft", False, "export: a run with LoRA adapters, written "
+                                   "as a PEFT adapter folder (adapter_config.json, "
+                                   "adapter_model.safetensors) for its base model.")
 
   def main(argv) -> None:
     command = argv[1]
@@ -62,6 +71,10 @@ def cli() -> None:
       if flags.FLAGS[name].value is None:
         command_line.fail(f"--{name} is required for `{command}`; give {what}",
                           command_line.USAGE_EXIT)
+    if merge_flag.value and peft_flag.value:
+      command_line.fail("--merge_lora and --peft each choose how LoRA adapters are written; "
+                        "give one of them", command_line.USAGE_EXIT)
+    lora = "merge" if merge_flag.value else "peft" if peft_flag.value else ""
     # Imported after the flags are checked: a usage mistake is reported without loading JAX.
     from toolkit import runtime  # pylint: disable=g-import-not-at-top
     # The CPU when there is no accelerator; the devices an import's --config mesh needs.
@@ -74,7 +87,7 @@ def cli() -> None:
         conversion.import_checkpoint(hf_flag.value, workdir_flag.value, config_flag.value)
       else:
         conversion.export_checkpoint(workdir_flag.value, out_flag.value, step_flag.value,
-                                     source_flag.value, shard_flag.value * 10**6)
+                                     source_flag.value, shard_flag.value * 10**6, lora)
     except (ConfigError, sharding.ShardingError) as e:
       command_line.fail(e)
 

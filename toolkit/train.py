@@ -14,6 +14,7 @@ import jax
 import sharding
 from toolkit import command_line, runtime
 from toolkit.errors import ConfigError
+from toolkit.evaluation import periodic
 from toolkit.inference import text as text_lib
 from toolkit.pod import distributed
 from toolkit.training import loop, storage
@@ -85,7 +86,8 @@ def cli() -> None:
     if processes.process_count > 1:
       print(processes, flush=True)  # every process: one line each, to tell them apart
     try:
-      loop.run(config, workdir_flag.value, sampler=text_lib.sample_after_training)
+      loop.run(config, workdir_flag.value, sampler=text_lib.sample_after_training,
+               periodic=periodic.for_config(config))  # train.eval_tasks
     except storage.StorageError as e:
       command_line.fail(e, now=True)
     except (ConfigError, sharding.ShardingError, loop.NonFiniteLoss) as e:

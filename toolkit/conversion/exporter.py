@@ -1,5 +1,7 @@
 """A meshkit checkpoint -> a Hugging Face folder: config.json, safetensors shards of at most
-2 GB with their index, and the tokenizer files of the folder the model came from.
+2 GB with their index, and the tokenizer files of the folder the model came from. A LoRA
+checkpoint goes out with its adapters merged into the weights or as a PEFT adapter folder
+(`toolkit.conversion.adapters`).
 
 The parameters are restored into the shardings of the run's own mesh (one device when that
 mesh does not fit this machine) and gathered to the host one tensor (one layer) at a time.
@@ -20,7 +22,7 @@ from jax.experimental import multihost_utils
 import sharding
 from toolkit import hf
 from toolkit import workdir as workdir_lib
-from toolkit.conversion import output
+from toolkit.conversion import adapters, output
 from toolkit.errors import ConfigError
 from toolkit.hf import folder as folder_lib
 from toolkit.training.checkpoint import open_latest
@@ -85,12 +87,17 @@ def _gather(array: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
+# How a LoRA checkpoint goes out (`lora` of export_checkpoint): its flag.
+LORA_MODES = {"merge": "--merge_lora", "peft": "--peft"}
+
+
 def export_checkpoint(workdir: str, out: str, step: int | None = None,
                       hf_source: str | None = None,
-                      max_shard_bytes: int = hf.MAX_SHARD_BYTES) -> list[str]:
+                      max_shard_bytes: int = hf.MAX_SHARD_BYTES, lora: str = "") -> list[str]:
   """Writes the Hugging Face folder `out` (local or gs://; it must not exist or be empty) from
   `workdir`'s checkpoint `step` (default: the latest); returns the names of the files
-  written."""
+  written. A checkpoint with LoRA adapters needs `lora`: "merge" (the adapters merged into
+  the weights) or "peft" (a PEFT adapter folder)."""
   output.check_empty(out, "--out")
   manager, latest = open_latest(workdir, "--workdir")
   try:
@@ -103,18 +110,24 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None,
     model, mesh, rules = _placement(config)
     architecture = hf.for_model(model)
     source = _source_folder(config, hf_source)
+    _check_lora_mode(model, lora, workdir)
     layout = state_lib.layout(model, optax.identity(), rules, mesh)
     params = manager.restore_params(step, layout.abstract["params"])
+    base = manager.base(step)
   finally:
     manager.close()
+  if lora == "peft":
+    return _export_peft(workdir, out, step, model, params, _base_folder(base, source))
   hf_config = _hf_config(model, config, source)
   start = time.perf_counter()
 
   def fetch(entry, at):
-    array = params
-    for part in entry.path.split("/"):
-      array = array[part]
-    return entry.to_hf(_gather(array[at] if at else array))
+    value = _layer(params, entry.path, at)
+    if lora == "merge" and (adapter := adapters.adapter_of(entry.path)) is not None:
+      if _has(params, adapter):
+        value = adapters.merge(model, value, _layer(params, adapter + "/a", at),
+                               _layer(params, adapter + "/b", at))
+    return entry.to_hf(value)
 
   if jax.process_index() != 0:
     for entry in architecture.tensors(model):  # every process takes part in the gathers
@@ -131,6 +144,58 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None,
         workdir_lib.write_bytes(os.path.join(staging, name),
                                 workdir_lib.path(workdir_lib.join(source, name)).read_bytes())
         written.append(name)
-  _log(f"exported step {step} of {workdir} to {out} ({', '.join(written)}) in "
+  merged = " (LoRA adapters merged)" if lora == "merge" else ""
+  _log(f"exported step {step} of {workdir} to {out}{merged} ({', '.join(written)}) in "
        f"{time.perf_counter() - start:.1f} s")
   return written
+
+
+def _check_lora_mode(model, lora: str, workdir: str) -> None:
+  rank = getattr(model, "lora_rank", 0)
+  if rank and not lora:
+    raise ConfigError(f"{workdir} holds LoRA adapters (model.lora_rank={rank}); give "
+                      f"--merge_lora (a model with the adapters merged into its weights) or "
+                      f"--peft (a PEFT adapter folder for the base model)")
+  if lora and not rank:
+    raise ConfigError(f"{LORA_MODES[lora]}: {workdir} holds no LoRA adapters "
+                      f"(model.lora_rank=0); export it without {LORA_MODES[lora]}")
+
+
+def _base_folder(base: dict | None, source: str | None) -> str:
+  """The base a PEFT folder names: --hf_source, else the folder the run started from."""
+  if source:
+    return workdir_lib.absolute(source)
+  return init_from.parse((base or {}).get("init_from", "")) or ""
+
+
+def _export_peft(workdir: str, out: str, step: int, model, params, base_model: str
+                 ) -> list[str]:
+  """The PEFT adapter folder `out`; every process takes part in the gathers."""
+  fetch = lambda entry, at: _layer(params, entry.path, at)
+  if jax.process_index() != 0:
+    for entry in adapters.peft_tensors(model):
+      for at, _ in entry.hf_tensors(model.n_layers):
+        fetch(entry, at)
+    return []
+  with output.staged(out) as staging:
+    written = adapters.write_peft(staging, model, base_model, fetch)
+  _log(f"exported the LoRA adapters of step {step} of {workdir} to {out} as a PEFT folder "
+       f"({', '.join(written)}; base {base_model or 'unknown: give --hf_source'})")
+  return written
+
+
+def _has(params, path: str) -> bool:
+  node = params
+  for part in path.split("/"):
+    if not isinstance(node, dict) or part not in node:
+      return False
+    node = node[part]
+  return True
+
+
+def _layer(params, path: str, at: tuple[int, ...]) -> np.ndarray:
+  """The parameter at `path`, indexed by `at` (its stacked axes), on the host."""
+  array = params
+  for part in path.split("/"):
+    array = array[part]
+  return _gather(array[at] if at else array)

@@ -11,17 +11,21 @@ from toolkit.errors import ConfigError
 
 if TYPE_CHECKING:
   from toolkit.data.grain_batches import GrainBatches
+  from toolkit.data.packing import DocumentBatches
 
 
-def from_config(config, spec) -> text.Batches | GrainBatches:
+def from_config(config, spec) -> text.Batches | GrainBatches | DocumentBatches:
   """The run's batches: `text.Batches` for the built-in text and synthetic tokens, Grain for
-  token shards and images. `spec` is the resolved config (toolkit.training.config.RunSpec:
+  token shards (their documents packed into rows with `data.packing`: `packing.DocumentBatches`)
+  and images. `spec` is the resolved config (toolkit.training.config.RunSpec:
   mesh, rules, model, task). Raises ConfigError naming a missing or bad input file."""
   d, mesh, rules = config.data, spec.mesh, spec.rules
-  if spec.task == "lm" and d.source != "tokens":
+  if spec.task == "lm" and d.source not in ("tokens", "chat"):
     batch_sharding = NamedSharding(mesh, rules.activation_spec(("batch", None), mesh))
     return text.Batches(text.TokenSource.from_config(d, spec.model.vocab_size), config.seed,
                         d.seq_len, d.global_batch_size, d.eval_batches, batch_sharding)
+  if d.source == "chat":
+    return _chat_batches(config, spec)
   # Grain (0.1 s to import) only for the runs that read through it: the built-in text above
   # reaches its first step sooner without it.
   from toolkit.data import images  # pylint: disable=g-import-not-at-top
@@ -30,14 +34,22 @@ def from_config(config, spec) -> text.Batches | GrainBatches:
   common = dict(seed=config.seed, global_batch_size=d.global_batch_size, mesh=mesh, rules=rules,
                 worker_count=d.worker_count, prefetch=d.prefetch)
   if spec.task == "lm":
-    train = shards.TokenWindows(shards.TokenStream(d.path, "train"), d.seq_len)
-    held_out = shards.TokenWindows(shards.TokenStream(d.path, "val"), d.seq_len)
-    if train.stream.vocab_size > spec.model.vocab_size:
-      padded = -(-train.stream.vocab_size // 128) * 128  # divisible by the usual mesh axes
-      raise ConfigError(f"{d.path}: the shards' vocabulary has {train.stream.vocab_size} ids "
+    train_stream = shards.TokenStream(d.path, "train")
+    if train_stream.vocab_size > spec.model.vocab_size:
+      padded = -(-train_stream.vocab_size // 128) * 128  # divisible by the usual mesh axes
+      raise ConfigError(f"{d.path}: the shards' vocabulary has {train_stream.vocab_size} ids "
                         f"but model.vocab_size={spec.model.vocab_size}; set "
                         f"--config.model.vocab_size={padded} (or any size >= "
-                        f"{train.stream.vocab_size} that the mesh divides)")
+                        f"{train_stream.vocab_size} that the mesh divides)")
+    if d.get("packing", False):  # absent from configs saved before it existed
+      from toolkit.data import packing  # pylint: disable=g-import-not-at-top
+      return packing.DocumentBatches(
+          shards.TokenDocuments(train_stream, d.seq_len),
+          shards.TokenDocuments(shards.TokenStream(d.path, "val"), d.seq_len), d.seq_len,
+          config.seed, d.global_batch_size, mesh, rules, d.eval_batches, d.prefetch,
+          bins=d.get("packing_bins", 0))
+    train = shards.TokenWindows(train_stream, d.seq_len)
+    held_out = shards.TokenWindows(shards.TokenStream(d.path, "val"), d.seq_len)
     row = ((d.seq_len,), np.int32)
     return GrainBatches(train, held_out, [TokensToModel()], [TokensToModel()],
                         {"inputs": row, "targets": row}, eval_batches=d.eval_batches,
@@ -56,6 +68,18 @@ def from_config(config, spec) -> text.Batches | GrainBatches:
                       eval_batches=None, pad_eval=True, **common)
 
 
+def _chat_batches(config, spec) -> DocumentBatches:
+  """Conversations (toolkit/data/chat.py) through the packer: several to a row with
+  data.packing, else one per row."""
+  from toolkit.data import chat  # pylint: disable=g-import-not-at-top
+  d = config.data
+  data = chat.ChatData.from_config(d, config.train.get("init_from", ""))
+  data.check_vocab(spec.model.vocab_size)
+  return chat.ChatBatches(data, d.seq_len, config.seed, d.global_batch_size, spec.mesh,
+                          spec.rules, d.eval_batches, d.prefetch, bins=d.get("packing_bins", 0),
+                          packed=d.get("packing", False))
+
+
 def token_unit(config) -> str:
   """What one token of an LM's data is: "byte" for CPython's docs and for token shards written
   byte-level (scripts/prepare_text.py's default), else "token" (a tokenizer's shards, random
@@ -65,4 +89,8 @@ def token_unit(config) -> str:
     return "byte"
   if d.source == "tokens":
     return "byte" if shards.read_meta(d.path).get("tokenizer") == "bytes" else "token"
+  if d.source == "chat":
+    from toolkit.data import chat  # pylint: disable=g-import-not-at-top
+    return ("byte" if chat.tokenizer_path(d, config.train.get("init_from", "")) == chat.BYTES
+            else "token")
   return "token"

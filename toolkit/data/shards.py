@@ -9,8 +9,10 @@ A shard folder holds flat little-endian token arrays in nanoGPT's style (`train_
    "splits": {"train": [{"file": "train_00000.bin", "tokens": 123}, ...], "val": [...]}}
 
 Every document is followed by the end-of-document token `eot_id`, so the concatenated stream
-can be cut into fixed-length windows anywhere (documents are packed; the model sees the
-boundary token). Byte-level tokenization is built in: ids 0-255 are bytes, 256 ends a document.
+can be cut into fixed-length windows anywhere (`TokenWindows`: the documents run on into each
+other and the model sees the boundary token), or split back into its documents at those ids
+(`TokenDocuments`, for `data.packing`: each document attends only within itself).
+Byte-level tokenization is built in: ids 0-255 are bytes, 256 ends a document.
 Any Hugging Face `tokenizer.json` works through the `tokenizers` library.
 
 The shard folder may be a Cloud Storage URL (gs://bucket/path). Its meta.json is read from
@@ -167,6 +169,16 @@ class TokenStream:
       self._maps = [np.memmap(path, dtype=self.dtype, mode="r") for path in self.files]
     return self._maps
 
+  def document_ends(self, chunk: int = 2**24) -> np.ndarray:
+    """The stream index of every end-of-document id, ascending (int64): one pass over the
+    split's tokens, `chunk` at a time."""
+    found = []
+    for start, tokens in zip(self.starts, self._open()):
+      for offset in range(0, tokens.size, chunk):
+        hits = np.flatnonzero(tokens[offset:offset + chunk] == self.eot_id)
+        found.append(start + offset + hits)
+    return np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)
+
   def read(self, start: int, count: int) -> np.ndarray:
     """Tokens [start, start + count) as int32, across file boundaries; checks each id is
     below the vocabulary so a corrupt file is named, not trained on."""
@@ -205,6 +217,49 @@ class TokenWindows:
 
   def __repr__(self) -> str:  # Grain keeps it in the iterator state
     return f"TokenWindows({self.stream.directory!r}, {self.stream.split!r}, {self.seq_len})"
+
+
+class TokenDocuments:
+  """The documents of a token stream as packing examples (toolkit/data/packing.py): a Grain
+  data source.
+
+  A document is the tokens after an end-of-document id up to and including the next one (the
+  stream's end closes a last one without it). Its example reads the end-of-document id before
+  it and its tokens but the last, and predicts its tokens: n (input, target) pairs for n
+  tokens, the first token predicted from the end-of-document id as in the unpacked stream, so
+  every token of the split is a target exactly once and no target crosses a document. A
+  document longer than `seq_len` is cut into pieces of `seq_len` targets, each a document of
+  its own in a row (its positions restart at 0), the next piece reading on from the last
+  token of the one before. Index: 12 bytes per piece, found in one pass over the tokens."""
+
+  def __init__(self, stream: TokenStream, seq_len: int):
+    self.stream, self.seq_len = stream, seq_len
+    ends = stream.document_ends() + 1                     # exclusive ends
+    if not ends.size or ends[-1] < len(stream):
+      ends = np.append(ends, len(stream))
+    starts = np.concatenate([[0], ends[:-1]])
+    pieces = -(-(ends - starts) // seq_len)
+    document = np.repeat(np.arange(ends.size), pieces)
+    index = np.arange(document.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    self.starts = starts[document] + index * seq_len       # first target of each piece
+    self.counts = np.minimum(seq_len, ends[document] - self.starts).astype(np.int32)
+    self.documents = int(ends.size)
+
+  def __len__(self) -> int:
+    return int(self.starts.size)
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    start, count = int(self.starts[index]), int(self.counts[index])
+    if start:
+      window = self.stream.read(start - 1, count + 1)
+    else:  # the stream's first document: no end-of-document id before it
+      window = np.concatenate([np.full(1, self.stream.eot_id, np.int32),
+                               self.stream.read(0, count)])
+    return {"inputs": window[:-1], "targets": window[1:],
+            "loss_weights": np.ones(count, np.float32)}
+
+  def __repr__(self) -> str:
+    return f"TokenDocuments({self.stream.directory!r}, {self.stream.split!r}, {self.seq_len})"
 
 
 def write_split(directory: str, split: str, documents, tokenizer: Tokenizer, shard_tokens: int,

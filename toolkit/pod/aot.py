@@ -42,9 +42,11 @@ import math
 import re
 import time
 
+import jax
 import ml_collections
 
 import sharding
+from models import lora
 from models import pipeline as pipeline_lib
 from toolkit import workdir
 from toolkit.errors import ConfigError
@@ -123,7 +125,11 @@ def _lint(setup, config) -> dict:
   report = setup.layout.report
   warning = report.check_replicated(config.sharding.max_replicated_fraction,
                                     config.sharding.replicated_action)  # raises on "fail"
+  opt_state = jax.tree.leaves(setup.layout.abstract["opt_state"])
   return {"param_bytes": report.total_bytes, "param_bytes_per_device": report.per_device_bytes,
+          # exact, from the state layout: what the optimizer holds (with LoRA: for adapters)
+          "opt_state_bytes_per_device": sum(
+              math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in opt_state),
           "replicated_bytes": report.replicated_bytes,
           "replicated_fraction": report.replicated_fraction, "warnings": [warning] if warning
           else []}
@@ -300,7 +306,10 @@ def _run_dict(config: ml_collections.ConfigDict, spec, shape) -> dict:
           "z_loss": model.z_loss, "scan_layers": model.scan_layers, "mesh": dict(mesh.shape),
           "mesh_ici": config.mesh.ici, "mesh_dcn": config.mesh.dcn,
           "preset": spec.rules.name, "global_batch_size": config.data.global_batch_size,
-          "seq_len": config.data.seq_len, "microbatches": config.train.microbatches}
+          "seq_len": config.data.seq_len, "microbatches": config.train.microbatches,
+          "lora_rank": getattr(model, "lora_rank", 0), "lora_targets": lora.targets(model),
+          "trainable_params": (shape.param_count if shape.trainable_count is None
+                               else shape.trainable_count)}
 
 
 FLOPS_NOTE = (

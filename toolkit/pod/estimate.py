@@ -6,8 +6,14 @@ before compiling any. All figures are per device (one JAX device = one chip) and
 
 Memory (bytes):
   params        the sharding report's bytes per device (exact for the rules and mesh)
-  optimizer     AdamW's two moments, shaped and sharded like the parameters
-  gradients     one copy in the parameter dtype; with micro-batches also a float32 accumulator
+  optimizer     AdamW's two moments, shaped and sharded like the trainable parameters
+  gradients     one copy of the trainable parameters in their dtype; with micro-batches also a
+                float32 accumulator
+With LoRA adapters (models/lora.py) only the adapters train: the frozen base has no optimizer
+state and no gradient, so no output-matrix gradient accumulator in the logits' share and no
+gradient copy among the weights in use (the backward pass skips its weight gradients: 2 of the
+6 FLOPs per weight and token, `LlamaConfig.flops_per_token`; the gradient collectives carry
+only the adapters).
   activations   what the backward pass keeps per layer under the remat policy, for all layers,
                 plus one layer's full set while it is recomputed or differentiated:
                   none       everything (norms, q/k/v before and after rotary, MLP hidden, and
@@ -48,7 +54,7 @@ import math
 
 
 import sharding
-from models import LlamaConfig
+from models import LlamaConfig, lora
 from models import attention as attention_lib
 from toolkit.training import losses
 
@@ -68,6 +74,16 @@ class Shape:
   param_bytes_per_device: int         # from the sharding report
   param_count: int
   platform: str = "tpu"               # of the target's devices: decides model.attention=auto
+  # With LoRA adapters: what trains (the adapters), per device and in all; None: everything.
+  trainable_bytes_per_device: int | None = None
+  trainable_count: int | None = None
+
+  @property
+  def trainable_bytes(self) -> float:
+    """Bytes per device of the parameters that train (all of them without LoRA)."""
+    if self.trainable_bytes_per_device is None:
+      return float(self.param_bytes_per_device)
+    return float(self.trainable_bytes_per_device)
 
   @property
   def devices(self) -> int:
@@ -195,6 +211,8 @@ def _logits_bytes(shape: Shape) -> float:
     return tokens * vocab * (4 + 4 + a)
   chunk_tokens = shape.rows_per_device * chunk / shape.activation_ways("length")
   matrix = m.vocab_size * m.d_model / shape.param_ways("vocab")
+  if shape.trainable_count is not None:  # LoRA: the output matrix is frozen
+    matrix = 0.0
   return chunk_tokens * vocab * (4 + 4 + a) + tokens * 4 + matrix * 4 + tokens * m.d_model * a
 
 
@@ -202,9 +220,10 @@ def memory(shape: Shape) -> Memory:
   m = shape.model
   a = _BYTES[m.compute_dtype]
   params = float(shape.param_bytes_per_device)
-  gradients = params
-  if shape.microbatches > 1:
-    gradients += params * 4 / _BYTES[m.param_dtype]   # the float32 accumulator
+  trainable = shape.trainable_bytes
+  gradients = trainable
+  if shape.microbatches > 1:  # the float32 accumulator (LoRA adapters are float32 already)
+    gradients += trainable * (4 / _BYTES[m.param_dtype] if shape.trainable_count is None else 1)
   tokens = shape.tokens_per_device
   # A pipeline stage keeps its own layers' share, for every micro-batch (GPipe).
   kept = m.n_layers / shape.activation_ways("layers") * _per_token_layer_bytes(shape, m.remat)
@@ -215,9 +234,10 @@ def memory(shape: Shape) -> Memory:
   logits = _logits_bytes(shape)
   tensor = shape.param_ways("mlp")
   tables = 1 if m.tie_embeddings else 2
-  weights_in_use = a * (3 * _layer_weights_per_device(shape) / tensor
+  copies = 3 if shape.trainable_count is None else 2  # LoRA: no weight gradient to hold
+  weights_in_use = a * (copies * _layer_weights_per_device(shape) / tensor
                         + tables * m.vocab_size * m.d_model / shape.param_ways("vocab"))
-  return Memory(params=params, optimizer=2 * params, gradients=gradients,
+  return Memory(params=params, optimizer=2 * trainable, gradients=gradients,
                 activations=activations, logits=logits, weights_in_use=weights_in_use)
 
 
@@ -315,13 +335,20 @@ def communication(shape: Shape) -> tuple[float, float]:
   ep = math.prod(mesh[x] for x in expert_axes)
   experts = m.n_moe_layers * m.n_experts * 3 * m.d_model * m.mlp_dim
   held = n - experts + experts / ep          # parameters per fsdp x tensor group
+  # The gradients: of every parameter, or with LoRA of the (float32) adapters only.
+  adapted = shape.trainable_count is not None
+  gradient_bytes = shape.trainable_count * 4 if adapted else held * p
   if f > 1:
-    for volume, scale in ((held / t * a, 2.0 * micro), (held / t * p, 1.0 * micro)):
+    for volume, scale in ((held / t * a, 2.0 * micro), (gradient_bytes / t, 1.0 * micro)):
       i, d = split(volume, fsdp_axes, scale)  # all-gathers; the gradient reduce-scatter
       ici, dcn_bytes = ici + i, dcn_bytes + d
-  for params, axes in ((n - experts, replica_axes),
-                       (experts / ep, [x for x in replica_axes if x not in expert_axes])):
-    i, d = split(params / (f * t) * p, axes, 2.0 * micro)
+  if adapted:
+    reduced = [(shape.trainable_count * 4, replica_axes)]
+  else:
+    reduced = [((n - experts) * p, replica_axes),
+               (experts / ep * p, [x for x in replica_axes if x not in expert_axes])]
+  for volume, axes in reduced:
+    i, d = split(volume / (f * t), axes, 2.0 * micro)
     ici, dcn_bytes = ici + i, dcn_bytes + d
   # Forward, backward, and once more where remat recomputes the MoE layer (its exchange's
   # outputs are not among what minimal or save_attention keep).
@@ -388,8 +415,12 @@ def shape_for(spec, config, report, num_slices: int = 1) -> Shape:
     known = math.prod(v for v in dcn.values() if v != -1)
     dcn = {k: (num_slices // known if v == -1 else v) for k, v in dcn.items()}
   param_count = sum(math.prod(r.shape) for r in report.rows)
+  adapters = [r for r in report.rows if lora.is_adapter(r.path)]
   return Shape(model=spec.model, mesh_shape=dict(spec.mesh.shape), dcn_shape=dcn,
                rules=spec.rules, global_batch_size=config.data.global_batch_size,
                seq_len=config.data.seq_len, microbatches=config.train.microbatches,
                param_bytes_per_device=report.per_device_bytes, param_count=param_count,
-               platform=spec.mesh.devices.flat[0].platform)
+               platform=spec.mesh.devices.flat[0].platform,
+               trainable_bytes_per_device=(sum(r.per_device_bytes for r in adapters)
+                                           if adapters else None),
+               trainable_count=sum(math.prod(r.shape) for r in adapters) if adapters else None)

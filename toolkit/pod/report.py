@@ -84,6 +84,7 @@ def _run_lines(r: Report) -> list[str]:
       f"{run['n_layers']} layers, vocab {run['vocab_size']}; {run['param_dtype']} parameters, "
       f"{run['compute_dtype']} compute, remat {run['remat']}"
       f"{', scanned layers' if run['scan_layers'] else ''}",
+      *_lora_lines(run),
       f"step       attention {_attention(run)}; vocabulary loss {_loss(run)}",
       f"run        mesh {mesh} (ici {run['mesh_ici']!r}"
       f"{', dcn ' + repr(run['mesh_dcn']) if run['mesh_dcn'] else ''}), rules {run['preset']}, "
@@ -91,12 +92,22 @@ def _run_lines(r: Report) -> list[str]:
       f"{run['microbatches']} micro-batch(es)",
       f"lint       parameters {human_bytes(r.lint['param_bytes'])} in all, "
       f"{human_bytes(r.lint['param_bytes_per_device'])} per device; replicated "
-      f"{human_bytes(r.lint['replicated_bytes'])} ({r.lint['replicated_fraction']:.1%})",
+      f"{human_bytes(r.lint['replicated_bytes'])} ({r.lint['replicated_fraction']:.1%}); "
+      f"optimizer state {human_bytes(r.lint.get('opt_state_bytes_per_device'))} per device",
   ]
   lines += [f"warning    {w}" for w in r.lint["warnings"]]
   lines += [f"note       {n}" for n in r.notes]
   lines.append(f"compile    {r.compile_seconds:.1f} s")
   return lines
+
+
+def _lora_lines(run: dict) -> list[str]:
+  """The LoRA line: what trains and what is frozen (nothing without adapters)."""
+  if not run.get("lora_rank"):
+    return []
+  return [f"lora       rank {run['lora_rank']} on {','.join(run['lora_targets'])}: "
+          f"{human_count(run['trainable_params'])} trainable parameters; the base frozen in "
+          f"{run['param_dtype']}, without gradients or optimizer state"]
 
 
 def _attention(run: dict) -> str:

@@ -11,6 +11,7 @@ after removing the partial folder.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from models import kind_of
+from models import kind_of, lora
 
 from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
@@ -31,11 +32,12 @@ from toolkit.training.state import State
 # Model fields that change parameter shapes or dtypes: a checkpoint restores only if they match.
 SHAPE_FIELDS = ("kind", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                 "mlp_dim", "tie_embeddings", "param_dtype", "image_size", "patch_size",
-                "channels", "num_classes", "pool", "n_experts", "moe_every")
+                "channels", "num_classes", "pool", "n_experts", "moe_every", "lora_rank",
+                "lora_targets")
 # JSON files of a step (those present are checked): Orbax itself skips a garbled
 # _CHECKPOINT_METADATA or _sharding with a logged error, so the check is ours.
 _JSON_FILES = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/_sharding", "config/metadata",
-               "data/metadata", "integrity/metadata")
+               "data/metadata", "integrity/metadata", "base/metadata")
 
 
 class DamagedCheckpoint(ConfigError):
@@ -79,7 +81,7 @@ def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
   state = _state_handler()
   registry.add("state", ocp.args.PyTreeSave, state)
   registry.add("state", ocp.args.PyTreeRestore, state)
-  for item in ("config", "data", "integrity"):
+  for item in ("config", "data", "integrity", "base"):
     registry.add(item, ocp.args.JsonSave)
     registry.add(item, ocp.args.JsonRestore)
   return registry
@@ -150,10 +152,13 @@ class Checkpoints:
   def _write(self, step: int, state: State, fingerprints: integrity.Pending, config: dict,
              data_position: dict) -> None:
     try:
-      self.manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.PyTreeSave(state), config=ocp.args.JsonSave(config),
-          data=ocp.args.JsonSave(data_position),
-          integrity=ocp.args.JsonSave(integrity.collect(fingerprints))), force=True)
+      items = dict(state=ocp.args.PyTreeSave(state), config=ocp.args.JsonSave(config),
+                   data=ocp.args.JsonSave(data_position))
+      collected = integrity.collect(fingerprints)
+      items["integrity"] = ocp.args.JsonSave(collected)
+      if (base := base_record(config, collected)) is not None:
+        items["base"] = ocp.args.JsonSave(base)
+      self.manager.save(step, args=ocp.args.Composite(**items), force=True)
     except jax.errors.JaxRuntimeError:
       raise  # a peer or the distributed runtime failed, not the storage: the command reports it
     except Exception as e:  # pylint: disable=broad-except  # Orbax/TensorStore raise many kinds
@@ -251,11 +256,14 @@ class Checkpoints:
   def saved_config(self, step: int) -> dict:
     return self._read(step, "its config", config=ocp.args.JsonRestore())["config"]
 
-  def restore(self, step: int, abstract_state: State, agree=None) -> tuple[State, dict]:
+  def restore(self, step: int, abstract_state: State, agree=None,
+              partial: bool = False) -> tuple[State, dict]:
     """Restores `step` into the shardings carried by `abstract_state` and checks its
     fingerprints; returns (state, data position). `agree(damage or None, self, step)`, when
-    given, runs on every process between reading and checking (which is a collective)."""
-    items = dict(state=_tree_restore(abstract_state), data=ocp.args.JsonRestore())
+    given, runs on every process between reading and checking (which is a collective).
+    `partial`: `abstract_state` names only some of the saved arrays (the others are not
+    read)."""
+    items = dict(state=_tree_restore(abstract_state, partial), data=ocp.args.JsonRestore())
     if self.has_fingerprints(step):
       items["integrity"] = ocp.args.JsonRestore()
     restored, damage = {}, None
@@ -270,6 +278,13 @@ class Checkpoints:
     if "integrity" in items:
       self._verify(step, restored["state"], restored["integrity"])
     return restored["state"], restored["data"]
+
+  def base(self, step: int) -> dict | None:
+    """The frozen base a LoRA checkpoint's adapters apply to (`base_record`), or None for a
+    checkpoint without adapters."""
+    if not (epath.Path(self.directory) / str(step) / "base").exists():
+      return None
+    return self._read(step, "its base record", base=ocp.args.JsonRestore())["base"]
 
   def restore_params(self, step: int, abstract_params) -> Any:
     """Restores only the parameters of `step` (no optimizer state is read), into the
@@ -309,6 +324,31 @@ def _host_snapshot(state: State) -> State:
 def _tree_restore(target, partial: bool = False) -> ocp.args.PyTreeRestore:
   return ocp.args.PyTreeRestore(item=target, partial_restore=partial,
                                 restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+
+
+def base_record(config: dict, fingerprints: dict[str, int]) -> dict | None:
+  """What names the frozen base of a state with LoRA adapters (None without adapters): where
+  its weights came from (`train.init_from`, or "" for a base drawn from `seed`), and one
+  fingerprint of all its arrays (`base_fingerprint`), which a base read again must match."""
+  params = {path[len("params/"):]: value for path, value in fingerprints.items()
+            if path.startswith("params/")}
+  if not any(lora.is_adapter(path) for path in params):
+    return None
+  frozen = {path: value for path, value in params.items() if not lora.is_adapter(path)}
+  return {"init_from": config.get("train", {}).get("init_from", ""),
+          "seed": config.get("seed"), "arrays": len(frozen),
+          "fingerprint": _combined(frozen)}
+
+
+def base_fingerprint(params) -> str:
+  """The fingerprint `base_record` gives the frozen (non-adapter) arrays of `params`."""
+  return _combined({path: value for path, value in integrity.fingerprints(params).items()
+                    if not lora.is_adapter(path)})
+
+
+def _combined(fingerprints: dict[str, int]) -> str:
+  text = "\n".join(f"{path} {value}" for path, value in sorted(fingerprints.items()))
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def check_compatible(saved: dict, model_config: Any, where: str) -> None:

@@ -42,12 +42,20 @@ def defaults() -> ml_collections.ConfigDict:
       # Files for source=tokens (a scripts/prepare_text.py folder), npz or image_folder;
       # eval_path: a separate held-out set (else eval_fraction of path is held out).
       path="", eval_path="",
+      # Several documents per row, each attending only within itself (toolkit/data/packing.py)
+      # for token shards (source=tokens) and chat data; packing_bins: rows packed at once (more
+      # fill rows better; 0 is one global batch).
+      packing=False, packing_bins=0,
       # Grain worker processes (0: Grain's threads in this process) for token shards and
       # images; batches prepared ahead in a thread for stdlib_docs/synthetic tokens.
       worker_count=0, prefetch=2,
       # Images: training augmentation (pad-and-crop pixels, left-right flips) and the
       # normalization (x - mean) / std of pixels in [0, 1], train and held-out alike.
-      crop_padding=0, flip=False, mean=0.0, std=1.0))
+      crop_padding=0, flip=False, mean=0.0, std=1.0,
+      # Chat data (source=chat; path, eval_path: JSONL or Parquet conversations): the
+      # tokenizer folder, a template replacing its own, the loss on the assistant's tokens or
+      # all, over-long conversations truncated or dropped. toolkit/data/chat.py has the rest.
+      tokenizer="", chat_template="", train_on="assistant", overlong="truncate"))
   c.optimizer = ml_collections.ConfigDict(dict(
       learning_rate=3e-3, min_lr_ratio=0.1, warmup_steps=20, b1=0.9, b2=0.95, eps=1e-8,
       weight_decay=0.1, clip_norm=1.0,
@@ -64,7 +72,11 @@ def defaults() -> ml_collections.ConfigDict:
       # "START:STOP": a jax.profiler trace of steps START..STOP-1 in workdir/profile.
       profile_steps="",
       # Classifiers: train against targets (1 - s) * one_hot + s / classes (0: off).
-      label_smoothing=0.0))
+      label_smoothing=0.0,
+      # lm-evaluation-harness tasks (names or local task YAML files, comma separated) run on
+      # the parameters in memory every eval_tasks_every steps, eval_tasks_limit examples per
+      # task (0: all); toolkit/evaluation/periodic.py. '' is off.
+      eval_tasks="", eval_tasks_every=100, eval_tasks_limit=0))
   return c
 
 
@@ -165,6 +177,12 @@ RANGES: dict[str, Range] = {
                                       "(capacity dispatch)"),
     "model.load_balance_weight": Range(0.0, meaning="weight of the router's load-balancing loss"),
     "model.router_z_weight": Range(0.0, meaning="weight of the router's z-loss"),
+    # LoRA adapters (models/lora.py; the model also checks lora_targets)
+    "model.lora_rank": count("rank of the LoRA adapters; 0 is none (every weight trains)",
+                             low=0),
+    "model.lora_alpha": positive("LoRA scale numerator: updates are scaled by alpha / rank"),
+    "model.lora_dropout": fraction("share of a LoRA adapter's inputs dropped in training",
+                                   high_open=True),
     # sharding
     "sharding.max_replicated_fraction": fraction("share of parameter bytes that may be "
                                                  "replicated before the run warns or fails"),
@@ -174,6 +192,7 @@ RANGES: dict[str, Range] = {
     "data.eval_batches": count("held-out batches per eval"),
     "data.eval_fraction": fraction("share of the text held out", low_open=True, high_open=True),
     "data.worker_count": count("Grain worker processes; 0 reads in this process", low=0),
+    "data.packing_bins": count("rows the packer fills at once; 0 is one global batch", low=0),
     "data.prefetch": count("batches prepared ahead", low=0),
     "data.crop_padding": count("pixels of padding before the random crop; 0 is off", low=0),
     "data.mean": Range(-math.inf, math.inf, "pixel mean subtracted (pixels in [0, 1])"),
@@ -200,6 +219,8 @@ RANGES: dict[str, Range] = {
     "train.sample_tokens": count("tokens sampled after training; 0 is off", low=0),
     "train.label_smoothing": fraction("share of each classifier target's weight spread evenly "
                                       "over all classes", high_open=True),
+    "train.eval_tasks_every": count("steps between runs of train.eval_tasks"),
+    "train.eval_tasks_limit": count("examples per task of train.eval_tasks; 0 is all", low=0),
 }
 
 
@@ -250,7 +271,7 @@ class RunSpec:
 
 
 # task -> data.source values it accepts.
-_SOURCES = {"lm": ("stdlib_docs", "synthetic", "tokens"),
+_SOURCES = {"lm": ("stdlib_docs", "synthetic", "tokens", "chat"),
             "classification": ("digits", "npz", "image_folder", "synthetic")}
 _TASK_OF_KIND = {"llama": "lm", "vit": "classification"}
 
@@ -278,14 +299,18 @@ def resolve(config: ml_collections.ConfigDict,
     raise ConfigError(f"data.source={d.source!r} does not fit model.kind={kind!r} "
                       f"({task}); choose one of {', '.join(_SOURCES[task])}")
   # Configs saved before data.path existed (older checkpoints) lack it.
-  if d.source in ("tokens", "npz", "image_folder") and not d.get("path", ""):
-    raise ConfigError(f"data.source={d.source!r} needs data.path: give "
-                      f"--config.data.path=" + ("a folder written by scripts/prepare_text.py"
-                                                if d.source == "tokens" else "the "
-                                                + d.source.replace("_", " ")))
+  if d.source in ("tokens", "npz", "image_folder", "chat") and not d.get("path", ""):
+    raise ConfigError(f"data.source={d.source!r} needs data.path: give --config.data.path=" + {
+        "tokens": "a folder written by scripts/prepare_text.py",
+        "chat": "JSONL or Parquet files of conversations (or synthetic:reverse)"}.get(
+            d.source, "the " + d.source.replace("_", " ")))
+  if d.source == "chat":
+    from toolkit.data import chat  # pylint: disable=g-import-not-at-top  # imports Grain
+    chat.check_config(d)
   if d.source == "stdlib_docs" and model.vocab_size < 256:
     raise ConfigError(f"model.vocab_size={model.vocab_size} is below 256, the byte-level "
                       f"vocabulary of data.source='stdlib_docs'; set model.vocab_size>=256")
+  _check_packing(d, task)
   batch_axes = _mesh_axes(rules.activation_spec(("batch",), mesh))
   batch_ways = math.prod(mesh.shape[a] for a in batch_axes)
   if getattr(model, "n_experts", 0):
@@ -331,6 +356,24 @@ def _mesh(section: ml_collections.ConfigDict, devices: Sequence[jax.Device] | No
         f"(XLA_FLAGS=--xla_force_host_platform_device_count=8; the toolkit commands do it from "
         f"the mesh, toolkit.runtime.simulate_cpu_devices in Python) or fit the mesh to the "
         f"{len(found)} device(s) there are: --config.mesh.ici=fsdp:-1") from None
+
+
+# data.source values whose documents data.packing packs.
+_PACKABLE = ("tokens", "chat")
+
+
+def _check_packing(data: ml_collections.ConfigDict, task: str) -> None:
+  """data.packing: sources with documents, read in this process."""
+  if not data.get("packing", False):  # absent from configs saved before it existed
+    return
+  if task != "lm" or data.source not in _PACKABLE:
+    raise ConfigError(f"data.packing=True packs the documents of data.source="
+                      f"{' or '.join(map(repr, _PACKABLE))}; data.source={data.source!r} has "
+                      f"none: set data.packing=False")
+  if data.worker_count:
+    raise ConfigError(f"data.packing=True packs in the training process (Grain's packer is "
+                      f"stateful: worker processes would change the rows with their count); "
+                      f"set data.worker_count=0 (not {data.worker_count})")
 
 
 def _check_label_smoothing(smoothing: float, task: str, kind: str) -> None:

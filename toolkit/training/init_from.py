@@ -60,9 +60,10 @@ def source(config, model: LlamaConfig, workdir: str) -> hf.HFFolder | None:
 
 
 def initial_state(folder: hf.HFFolder, setup, seed: int) -> state_lib.State:
-  """Step 0 with the folder's weights in their shardings and a fresh optimizer state."""
+  """Step 0 with the folder's weights in their shardings and a fresh optimizer state (with
+  LoRA: the folder's weights are the frozen base, the adapters start fresh from `seed`)."""
   params = hf.read_params(folder, setup.spec.model, setup.layout.shardings["params"])
-  return state_lib.from_params(params, setup.optimizer, setup.layout, seed)
+  return state_lib.from_params(params, setup.optimizer, setup.layout, seed, setup.spec.model)
 
 
 

@@ -11,7 +11,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import ml_collections
@@ -59,6 +59,14 @@ class RunResult:
 Sampler = Callable[[ml_collections.ConfigDict, Setup, state_lib.State], "str | None"]
 
 
+@dataclasses.dataclass(frozen=True)
+class Every:
+  """Periodic work a caller adds to the loop (toolkit.train adds toolkit.evaluation's harness
+  tasks): fn(run, state, step) after every `steps`-th step and after the last."""
+  steps: int
+  fn: Callable[["Run", state_lib.State, int], None]
+
+
 class StopSignal:
   """SIGTERM/SIGINT set a flag; the loop finishes its step, saves and exits cleanly.
 
@@ -102,11 +110,12 @@ class StopSignal:
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
-        sampler: Sampler | None = None) -> RunResult:
+        sampler: Sampler | None = None, periodic: Sequence[Every] = ()) -> RunResult:
   """Trains per `config`, checkpointing into `workdir`; resumes if the workdir has a checkpoint.
 
   `devices` (default: all) lets a sweep run several trials at once on disjoint devices;
-  `sampler`, when given, continues a prompt with the trained model at the end."""
+  `sampler`, when given, continues a prompt with the trained model at the end; `periodic`
+  work runs every N steps beside eval and checkpoints."""
   goodput = goodput_lib.Goodput()
   # --- setup: validate everything before touching the workdir --------------------------------
   with goodput.phase("startup"):
@@ -137,7 +146,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
   # --- loop ----------------------------------------------------------------------------------
   current = Run(config=config, setup=setup, eval_step=eval_step, checkpoints=checkpoints,
                 writer=metrics_lib.MetricWriter(workdir), result=result, goodput=goodput,
-                programs=programs,
+                programs=programs, periodic=tuple(periodic),
                 profiler=profiler_lib.StepProfiler(profiler_lib.parse_profile_steps(
                     config.train.get("profile_steps", ""), config.train.steps), workdir, log))
   try:
@@ -202,6 +211,8 @@ def log_setup(config: ml_collections.ConfigDict, setup: Setup) -> None:
   log(f"devices: {mesh.size} x {mesh.devices.flat[0].device_kind} in "
       f"{jax.process_count()} process(es); mesh {dict(mesh.shape)}; rules {setup.spec.rules.name}")
   log(report.format())
+  if hasattr(setup.batches, "describe"):  # packed documents: how full the rows are
+    log(setup.batches.describe())
   warning = report.check_replicated(config.sharding.max_replicated_fraction,
                                     config.sharding.replicated_action)
   if warning:
@@ -243,6 +254,7 @@ class Run:
   profiler: profiler_lib.StepProfiler = dataclasses.field(
       default_factory=lambda: profiler_lib.StepProfiler(None, ""))
   programs: programs_lib.Programs | None = None
+  periodic: tuple[Every, ...] = ()
 
   def __post_init__(self):
     self.units_per_step, self.flops_per_step = work_per_step(self.config, self.setup)
@@ -290,9 +302,12 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
           flush(run_, pending, interval)
         if done % t.eval_every == 0 or at_end:
           evaluate(run_, state, done)
+        due = [work for work in run_.periodic if done % work.steps == 0 or at_end]
+        for work in due:
+          work.fn(run_, state, done)
         if save_now:
           save(run_, done, state, batch_iter.position())
-        if done % t.eval_every == 0 or save_now:
+        if done % t.eval_every == 0 or save_now or due:
           interval.restart()  # step time excludes eval and checkpoint work
         run_.result.final_step = done
         if stopping:

@@ -5,9 +5,15 @@ never hold the full (tokens, vocab) float32 logits or their gradient.
   next_token_objective(model, inputs, targets) -> (cross-entropy + model.cfg.z_loss x the
       other + the model's auxiliary loss (a mixture of experts' router losses), its metrics)
 
-both float32 nats. With `model.cfg.loss_chunk` > 0 the final features (batch, length, embed)
-are split into chunks of positions holding about `loss_chunk` tokens per device ((rows per
-device) x positions). A chunk takes every n-th position (positions c, c + n, ...), so a length
+both float32 nats. With per-token `weights` (batch, length) float32 (packed documents: 0 on
+padding, and for supervised fine-tuning on the tokens not trained on) each mean is weighted:
+sum(weights x per-token value) / sum(weights), the z-loss term weighted like the cross-entropy
+(a weight of 0 drops the token from both). The router's auxiliary loss stays the mean over
+every position routed, padding included: padding takes expert slots like any token.
+
+With `model.cfg.loss_chunk` > 0 the final features (batch, length, embed) are split into
+chunks of positions holding about `loss_chunk` tokens per device ((rows per device) x
+positions). A chunk takes every n-th position (positions c, c + n, ...), so a length
 split over devices (context parallelism) still gives every device its share of each chunk.
 
 Differentiated, the chunked objective computes its gradient in the forward pass, chunk by
@@ -36,11 +42,23 @@ import sharding
 _LOGITS_AXES = ("batch", "vocab")
 
 
-def full_logits_loss(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(mean cross-entropy, mean logsumexp^2) from float32 logits (batch, length, vocab)."""
+def weight_total(weights: jax.Array) -> jax.Array:
+  """sum(weights), what a weighted mean divides by; 1 where it is 0 (a batch of padding only
+  then has loss 0, not 0 / 0)."""
+  total = jnp.sum(weights, dtype=jnp.float32)
+  return jnp.where(total > 0, total, 1.0)
+
+
+def full_logits_loss(logits: jax.Array, targets: jax.Array,
+                     weights: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """(mean cross-entropy, mean logsumexp^2) from float32 logits (batch, length, vocab),
+  weighted by `weights` (batch, length) when given (module docstring)."""
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   lse = jax.nn.logsumexp(logits, axis=-1)
-  return jnp.mean(ce), jnp.mean(lse * lse)
+  if weights is None:
+    return jnp.mean(ce), jnp.mean(lse * lse)
+  total = weight_total(weights)
+  return jnp.sum(ce * weights) / total, jnp.sum(lse * lse * weights) / total
 
 
 def chunk_positions(loss_chunk: int, rows: int, length: int) -> int:
@@ -55,15 +73,18 @@ def _strided(x, count: int, chunk: int):
   return jnp.moveaxis(x.reshape(x.shape[0], chunk, count, *x.shape[2:]), 2, 0)
 
 
-def _chunks(features, targets, chunk: int):
-  """Strided chunks of the features, targets and weights (0 on padding positions), each
+def _chunks(features, targets, chunk: int, weights=None):
+  """Strided chunks of the features, targets and weights (the given per-token weights, else
+  1; 0 on the positions padded to whole chunks), each
   chunk's (rows, positions) flattened: (count, tokens, embed) and (count, tokens). With the
   positions split over devices (context parallelism) rows and positions stay apart, (count,
   batch, chunk, ...): XLA partitions their merge by gathering the positions."""
   batch, length = targets.shape
   count = -(-length // chunk)
   pad = ((0, 0), (0, count * chunk - length))
-  weights = jnp.pad(jnp.ones((batch, length), jnp.float32), pad)
+  if weights is None:
+    weights = jnp.ones((batch, length), jnp.float32)
+  weights = jnp.pad(weights.astype(jnp.float32), pad)
   flat = lambda x: x.reshape(count, batch * chunk, *x.shape[3:])
   if sharding.active_ways("length") > 1:
     flat = lambda x: x
@@ -89,23 +110,33 @@ def _chunk_losses(f, t, w, matrix, letters: str):
   return logits, lse, ((lse - target_logit) * w).sum(), (lse * lse * w).sum()
 
 
-def chunked_losses(features, matrix, targets, letters: str, chunk: int):
+def chunked_losses(features, matrix, targets, letters: str, chunk: int, weights=None):
   """(mean cross-entropy, mean logsumexp^2) over chunks of `chunk` positions; features
-  (batch, length, embed), matrix and letters as `Llama.unembedding` gives them. For metrics:
-  differentiate `chunked_objective`."""
+  (batch, length, embed), matrix and letters as `Llama.unembedding` gives them; weighted by
+  `weights` (batch, length) when given. For metrics: differentiate `chunked_objective`."""
   def one(sums, xs):
     _, _, ce, z = _chunk_losses(*xs, matrix, letters)
     return (sums[0] + ce, sums[1] + z), None
 
   zero = jnp.zeros((), jnp.float32)
-  (ce, z), _ = jax.lax.scan(one, (zero, zero), _chunks(features, targets, chunk))
-  return ce / targets.size, z / targets.size
+  (ce, z), _ = jax.lax.scan(one, (zero, zero), _chunks(features, targets, chunk, weights))
+  if weights is None:
+    return ce / targets.size, z / targets.size
+  total = weight_total(weights)
+  return ce / total, z / total
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def chunked_objective(features, matrix, targets, letters: str, chunk: int, z_loss: float):
-  """mean cross-entropy + z_loss x mean logsumexp^2, over chunks (module docstring)."""
-  ce, z = chunked_losses(features, matrix, targets, letters, chunk)
+def chunked_objective(features, matrix, targets, letters: str, chunk: int, z_loss: float,
+                      weights=None):
+  """mean cross-entropy + z_loss x mean logsumexp^2, over chunks (module docstring), weighted
+  by `weights` (batch, length) when given."""
+  return _chunked_objective(features, matrix, targets, weights, letters, chunk, z_loss)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _chunked_objective(features, matrix, targets, weights, letters: str, chunk: int,
+                       z_loss: float):
+  ce, z = chunked_losses(features, matrix, targets, letters, chunk, weights)
   return ce + z_loss * z
 
 
@@ -118,12 +149,12 @@ def _logits_grad(logits, lse, targets, weights, z_loss: float):
   return (probs * (1.0 + 2.0 * z_loss * lse)[..., None] - hot) * weights[..., None]
 
 
-def _objective_and_grads(features, matrix, targets, letters, chunk, z_loss):
+def _objective_and_grads(features, matrix, targets, weights, letters, chunk, z_loss):
   """The objective and its gradients for a cotangent of 1, chunk by chunk."""
   if (split := vocab_parallel_axes(matrix.shape[letters.index("v")], letters)):
-    return _vocab_parallel_objective_and_grads(features, matrix, targets, letters, chunk,
-                                               z_loss, split)
-  scale = 1.0 / targets.size
+    return _vocab_parallel_objective_and_grads(features, matrix, targets, weights, letters,
+                                               chunk, z_loss, split)
+  scale = 1.0 / targets.size if weights is None else 1.0 / weight_total(weights)
 
   def one(carry, xs):
     ce_sum, z_sum, d_matrix = carry
@@ -141,7 +172,7 @@ def _objective_and_grads(features, matrix, targets, letters, chunk, z_loss):
   zero = jnp.zeros((), jnp.float32)
   (ce, z, d_matrix), d_features = jax.lax.scan(
       one, (zero, zero, jnp.zeros(matrix.shape, jnp.float32)),
-      _chunks(features, targets, chunk))
+      _chunks(features, targets, chunk, weights))
   objective = (ce + z_loss * z) * scale
   return objective, (_unchunk(d_features, *targets.shape), d_matrix.astype(matrix.dtype))
 
@@ -172,8 +203,8 @@ def vocab_parallel_axes(vocab: int, letters: str) -> tuple[str, ...]:
   return split
 
 
-def _vocab_parallel_objective_and_grads(features, matrix, targets, letters, chunk, z_loss,
-                                        split):
+def _vocab_parallel_objective_and_grads(features, matrix, targets, weights, letters, chunk,
+                                        z_loss, split):
   """`_objective_and_grads` with the output matrix split over its vocabulary across the
   `split` axes (the batch's first): each device gathers a chunk's features from the batch's
   devices (tokens x embed, small), computes the logits of its vocabulary slice for all of
@@ -186,9 +217,12 @@ def _vocab_parallel_objective_and_grads(features, matrix, targets, letters, chun
   vocab_dim = letters.index("v")
   matrix_spec = P(*(split if d == vocab_dim else None for d in range(2)))
   rows = P(None, batch_axes)
-  scale = 1.0 / targets.size
+  # 1 / the tokens (or the weights' sum): a constant, or with weights an argument of its own
+  # (replicated), as shard_map's body takes traced values only as arguments.
+  scales = () if weights is None else (1.0 / weight_total(weights),)
 
-  def local(f, t, w, m):
+  def local(f, t, w, m, *weighted):
+    scale = weighted[0] if weighted else 1.0 / targets.size
     local_vocab = m.shape[vocab_dim]
     offset = jax.lax.axis_index(split) * local_vocab
     gather = lambda x: jax.lax.all_gather(x, batch_axes, axis=0, tiled=True)
@@ -220,27 +254,29 @@ def _vocab_parallel_objective_and_grads(features, matrix, targets, letters, chun
                                      (f, t, w))
     return ce, z, d_m, d_f
 
-  f, t, w = _chunks(features, targets, chunk)
+  f, t, w = _chunks(features, targets, chunk, weights)
   ce, z, d_matrix, d_features = jax.shard_map(
-      local, mesh=mesh, in_specs=(P(None, batch_axes, None), rows, rows, matrix_spec),
+      local, mesh=mesh,
+      in_specs=(P(None, batch_axes, None), rows, rows, matrix_spec) + (P(),) * len(scales),
       out_specs=(P(), P(), matrix_spec, P(None, batch_axes, None)), check_vma=False)(
-          f, t, w, matrix)
+          f, t, w, matrix, *scales)
+  scale = scales[0] if scales else 1.0 / targets.size
   objective = (ce + z_loss * z) * scale
   return objective, (_unchunk(d_features, *targets.shape), d_matrix.astype(matrix.dtype))
 
 
-def _objective_fwd(features, matrix, targets, letters, chunk, z_loss):
-  return _objective_and_grads(features, matrix, targets, letters, chunk, z_loss)
+def _objective_fwd(features, matrix, targets, weights, letters, chunk, z_loss):
+  return _objective_and_grads(features, matrix, targets, weights, letters, chunk, z_loss)
 
 
 def _objective_bwd(letters, chunk, z_loss, grads, cotangent):
   del letters, chunk, z_loss
   d_features, d_matrix = grads
   return (d_features * cotangent).astype(d_features.dtype), \
-      (d_matrix * cotangent).astype(d_matrix.dtype), None
+      (d_matrix * cotangent).astype(d_matrix.dtype), None, None  # targets, weights: data
 
 
-chunked_objective.defvjp(_objective_fwd, _objective_bwd)
+_chunked_objective.defvjp(_objective_fwd, _objective_bwd)
 
 
 def split_chunk_positions(loss_chunk: int, rows: int, length: int, ways: int) -> int:
@@ -266,31 +302,37 @@ def _chunk_of(model, targets, differentiated: bool = False) -> int:
 
 
 def next_token_loss(model, inputs: jax.Array, targets: jax.Array,
-                    positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                    positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                    weights: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """(mean cross-entropy, mean logsumexp^2) of `targets` given `inputs` (at `positions`,
-  default 0..length-1) under a Llama: chunked when model.cfg.loss_chunk > 0, else over full
-  logits. For metrics (eval)."""
+  default 0..length-1; packed documents by `segment_ids`, `models.Llama`) under a Llama,
+  weighted by `weights` when given (module docstring): chunked when model.cfg.loss_chunk > 0,
+  else over full logits. For metrics (eval)."""
   if not model.cfg.loss_chunk:
-    return full_logits_loss(model(inputs, positions), targets)
+    return full_logits_loss(model(inputs, positions, segment_ids), targets, weights)
   matrix, letters = model.unembedding()
-  return chunked_losses(model.features(inputs, positions), matrix, targets, letters,
-                        _chunk_of(model, targets))
+  return chunked_losses(model.features(inputs, positions, segment_ids), matrix, targets,
+                        letters, _chunk_of(model, targets), weights)
 
 
 def next_token_objective(model, inputs: jax.Array, targets: jax.Array,
-                         positions: jax.Array | None = None
+                         positions: jax.Array | None = None,
+                         segment_ids: jax.Array | None = None,
+                         weights: jax.Array | None = None
                          ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """What an LM trains on, and the model's metrics: mean cross-entropy + model.cfg.z_loss x
-  mean logsumexp^2 + the model's auxiliary loss (a mixture of experts' weighted router losses,
-  `Llama.features_and_aux`; 0 for a dense model). `positions` as in `next_token_loss`."""
+  mean logsumexp^2 (both weighted by `weights` when given) + the model's auxiliary loss (a
+  mixture of experts' weighted router losses, `Llama.features_and_aux`; 0 for a dense model).
+  `positions` and `segment_ids` as in `next_token_loss`."""
   z_loss = float(model.cfg.z_loss)
   if not model.cfg.loss_chunk:
-    logits, aux_loss, metrics = model.logits_and_aux(inputs, positions)
-    ce, z = full_logits_loss(logits, targets)
+    logits, aux_loss, metrics = model.logits_and_aux(inputs, positions, segment_ids)
+    ce, z = full_logits_loss(logits, targets, weights)
     objective = ce + z_loss * z if z_loss else ce
   else:
-    features, aux_loss, metrics = model.features_and_aux(inputs, positions)
+    features, aux_loss, metrics = model.features_and_aux(inputs, positions, segment_ids)
     matrix, letters = model.unembedding()
     objective = chunked_objective(features, matrix, targets, letters,
-                                  _chunk_of(model, targets, differentiated=True), z_loss)
+                                  _chunk_of(model, targets, differentiated=True), z_loss,
+                                  weights)
   return objective + aux_loss, metrics

@@ -218,14 +218,8 @@ def plot_loss_curve(metrics_path: str, png_path: str, units: Units = Units()) ->
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-  for kind, style in (("train", "-"), ("eval", "o-")):
-    points = _points(records, kind, "loss")
-    if points:
-      ax.plot([s for s, _ in points], [l for _, l in points], style, label=f"{kind} loss")
+  _draw_losses(ax, records, units)
   ax.set_title(os.path.basename(os.path.dirname(workdir_lib.absolute(metrics_path))))
-  ax.set_xlabel("step")
-  ax.set_ylabel(f"loss ({units.loss})")
-  ax.grid(alpha=0.3)
   accuracy = _points(records, "eval", "accuracy")
   if accuracy:
     right = ax.twinx()
@@ -238,6 +232,46 @@ def plot_loss_curve(metrics_path: str, png_path: str, units: Units = Units()) ->
                                            lambda bits: bits * math.log(2))
                        ).set_ylabel(f"loss ({units.bits})")
   ax.legend(loc="upper right")
+  fig.tight_layout()
+  save_figure(fig, png_path)
+  plt.close(fig)
+  return png_path
+
+
+def _draw_losses(ax, records: list[dict], units: Units) -> None:
+  """Train and eval loss vs step on `ax`, labelled in `units`."""
+  for kind, style in (("train", "-"), ("eval", "o-")):
+    points = _points(records, kind, "loss")
+    if points:
+      ax.plot([s for s, _ in points], [l for _, l in points], style, label=f"{kind} loss")
+  ax.set_xlabel("step")
+  ax.set_ylabel(f"loss ({units.loss})")
+  ax.grid(alpha=0.3)
+
+
+def plot_eval_tasks(metrics_path: str, png_path: str, units: Units = Units()) -> str | None:
+  """The loss (as in loss.png) beside the harness tasks' metrics vs step (metrics.jsonl's
+  "eval_tasks" records: "TASK/METRIC" fields), one line per metric; None before any."""
+  records = read_metrics(metrics_path)
+  names = sorted({k for r in records if r["kind"] == "eval_tasks" for k in r
+                  if k not in ("step", "kind")})
+  if not names or jax.process_index() != 0:
+    return None
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, (losses, tasks) = plt.subplots(1, 2, figsize=(12, 4), dpi=120)
+  _draw_losses(losses, records, units)
+  losses.legend(loc="upper right")
+  for name in names:
+    points = _points(records, "eval_tasks", name)
+    tasks.plot([s for s, _ in points], [v for _, v in points], "o-", label=name)
+  tasks.set_xlabel("step")
+  tasks.set_ylabel("task metric")
+  tasks.set_title("lm-evaluation-harness tasks")
+  tasks.grid(alpha=0.3)
+  tasks.legend(loc="best", fontsize=8)
+  fig.suptitle(os.path.basename(os.path.dirname(workdir_lib.absolute(metrics_path))))
   fig.tight_layout()
   save_figure(fig, png_path)
   plt.close(fig)

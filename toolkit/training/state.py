@@ -4,6 +4,11 @@ materializing it unsharded: `eval_shape` gives the abstract state, the rules giv
 
 State layout (a plain dict, which is also the checkpoint layout):
   step: int32 scalar · params: nested dict of arrays · opt_state: optax state · rng: uint32[2]
+
+Trainable and frozen parameters (`split_trainable`): a model with LoRA adapters
+(models/lora.py) trains only the adapters; the rest of `params` is its frozen base, which has
+no optimizer state (opt_state is the optimizer's state of the trainable part) and, in the
+step, no gradient. A model without adapters trains every parameter.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
-from models import Llama, LlamaConfig, build_model
+from models import Llama, LlamaConfig, build_model, lora
 from toolkit.training.programs import Programs
 
 State = dict[str, Any]
@@ -60,17 +65,66 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
   return nested
 
 
-def _init(model_cfg: LlamaConfig, optimizer: optax.GradientTransformation, seed: jax.Array) -> State:
+def split_trainable(params: dict) -> tuple[dict, dict]:
+  """(trainable, frozen) parts of a parameter tree, each a nested dict holding only its own
+  leaves: the LoRA adapters and the rest when the tree holds adapters (`models.lora`), else
+  every parameter and {}. `combine` puts them back together."""
+  paths = [path for path, _ in _flat_items(params)]
+  if not any(lora.is_adapter(path) for path in paths):
+    return params, {}
+  return (_select(params, lambda path: lora.is_adapter(path)),
+          _select(params, lambda path: not lora.is_adapter(path)))
+
+
+def combine(first: dict, second: dict) -> dict:
+  """Two parameter trees merged into one; where both hold a leaf, `first`'s."""
+  merged = dict(second)
+  for key, value in first.items():
+    if isinstance(value, dict) and isinstance(second.get(key), dict):
+      merged[key] = combine(value, second[key])
+    else:
+      merged[key] = value
+  return merged
+
+
+def _flat_items(tree: dict, prefix: tuple = ()):
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _flat_items(value, prefix + (key,))
+    else:
+      yield prefix + (key,), value
+
+
+def _select(tree: dict, keep, prefix: tuple = ()) -> dict:
+  """The leaves of `tree` whose path `keep` accepts (empty branches left out)."""
+  selected = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      branch = _select(value, keep, prefix + (key,))
+      if branch:
+        selected[key] = branch
+    elif keep(prefix + (key,)):
+      selected[key] = value
+  return selected
+
+
+def init_params(model_cfg: LlamaConfig, seed: jax.Array) -> dict:
+  """The parameters `create` gives `seed`, as a nested dict."""
   params_key, _ = jax.random.split(jax.random.key(seed))
-  model = _model_fn(model_cfg, params_key)
-  return _around(nnx.to_pure_dict(nnx.state(model, nnx.Param)), optimizer, seed)
+  return nnx.to_pure_dict(nnx.state(_model_fn(model_cfg, params_key), nnx.Param))
+
+
+def _init(model_cfg: LlamaConfig, optimizer: optax.GradientTransformation, seed: jax.Array) -> State:
+  return _around(init_params(model_cfg, seed), optimizer, seed)
 
 
 def _around(params, optimizer: optax.GradientTransformation, seed: jax.Array) -> State:
-  """Step 0, a new optimizer state and the seed's rng around `params`."""
+  """Step 0, a new optimizer state (of the trainable parameters) and the seed's rng around
+  `params`."""
   _, state_key = jax.random.split(jax.random.key(seed))
   return {"step": jnp.zeros((), jnp.int32), "params": params,
-          "opt_state": optimizer.init(params), "rng": jax.random.key_data(state_key)}
+          "opt_state": optimizer.init(split_trainable(params)[0]),
+          "rng": jax.random.key_data(state_key)}
 
 
 def layout(model_cfg: LlamaConfig, optimizer: optax.GradientTransformation,
@@ -82,10 +136,12 @@ def layout(model_cfg: LlamaConfig, optimizer: optax.GradientTransformation,
   param_shardings = _nest({row.path: NamedSharding(mesh, row.spec) for row in report.rows})
   abstract = jax.eval_shape(lambda: _init(model_cfg, optimizer, jnp.int32(0)))
   replicated = NamedSharding(mesh, PartitionSpec())
-  params_def = jax.tree.structure(abstract["params"])
+  # The optimizer's moments are trees like the trainable parameters: sharded like them.
+  trainable_shardings = split_trainable(param_shardings)[0]
+  params_def = jax.tree.structure(split_trainable(abstract["params"])[0])
   is_param_tree = lambda node: jax.tree.structure(node) == params_def
   opt_shardings = jax.tree.map(
-      lambda node: param_shardings if is_param_tree(node) else replicated,
+      lambda node: trainable_shardings if is_param_tree(node) else replicated,
       abstract["opt_state"], is_leaf=lambda node: is_param_tree(node))
   shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings,
                "rng": replicated}
@@ -104,10 +160,16 @@ def create(model_cfg: LlamaConfig, optimizer: optax.GradientTransformation,
 
 
 def from_params(params, optimizer: optax.GradientTransformation, state_layout: StateLayout,
-                seed: int) -> State:
+                seed: int, model_cfg: LlamaConfig | None = None) -> State:
   """A fresh state around given parameters (already in their shardings, say read from a
   Hugging Face checkpoint): step 0, a new optimizer state, and the rng `create` would give
-  `seed`. The parameter buffers are donated, not copied."""
-  around = jax.jit(lambda p, s: _around(p, optimizer, s), out_shardings=state_layout.shardings,
-                   donate_argnums=0)
+  `seed`. Parameters `params` lacks (a LoRA model's adapters beside a base read from Hugging
+  Face) get the initialization `create` would give them from `seed` (`model_cfg` says how).
+  The parameter buffers are donated, not copied."""
+  def around(given, seed):
+    if model_cfg is not None:  # unused draws of the init are dropped by the compiler
+      given = combine(given, init_params(model_cfg, seed))
+    return _around(given, optimizer, seed)
+
+  around = jax.jit(around, out_shardings=state_layout.shardings, donate_argnums=0)
   return around(params, jnp.int32(seed))

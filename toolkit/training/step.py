@@ -17,9 +17,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
+from models import lora
 from toolkit.training import losses
 from toolkit.training.programs import Programs
-from toolkit.training.state import State, StateLayout
+from toolkit.training.state import State, StateLayout, combine, split_trainable
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -57,25 +58,38 @@ def clip_threshold(clip_norm):
   return jnp.where(clip_norm > 0, clip_norm, jnp.inf)
 
 
-def token_order(batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-  """(inputs, targets, positions) of an LM batch as the model reads them: when the active
-  rules split token positions over devices (context parallelism), all three in the
-  load-balanced order of `sharding.sequence`, a permutation of whole rows that each device
-  makes on its own (the rows arrive whole); otherwise as given, positions None (0..length-1).
-  The mean loss over a permutation of (input, target) pairs is the same loss."""
-  inputs, targets = batch["inputs"], batch["targets"]
+# An LM batch: "inputs" and "targets" (batch, length) int32; rows packed with several
+# documents (toolkit/data/packing.py) also carry "segment_ids" (batch, length) int32 (which
+# document of the row, 1, 2, ...; 0 padding), "positions" (batch, length) int32 (within each
+# document, from 0) and "loss_weights" (batch, length) float32 (1 where the target counts).
+# What the loss functions call each of them:
+_LM_KEYS = {"inputs": "inputs", "targets": "targets", "positions": "positions",
+            "segment_ids": "segment_ids", "loss_weights": "weights"}
+
+
+def token_order(batch: Batch) -> dict[str, jax.Array]:
+  """The LM batch as the loss functions take it (`losses.next_token_loss`'s keywords: inputs,
+  targets, and positions, segment_ids and weights where the batch has them): when the active
+  rules split token positions over devices (context parallelism), all of them in the
+  load-balanced order of `sharding.sequence`, positions 0..length-1 unless the batch has its
+  own, a permutation of whole rows that each device makes on its own (the rows arrive whole);
+  otherwise as given. The (weighted) mean loss over a permutation of (input, target) pairs is
+  the same loss."""
+  tokens = {name: batch[key] for key, name in _LM_KEYS.items() if key in batch}
   ways = sharding.active_ways("length")
   if ways == 1:
-    return inputs, targets, None
-  positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-  return tuple(sharding.sequence.balance(x, ways) for x in (inputs, targets, positions))
+    return tokens
+  inputs = tokens["inputs"]
+  tokens.setdefault("positions", jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32),
+                                                  inputs.shape))
+  return {name: sharding.sequence.balance(x, ways) for name, x in tokens.items()}
 
 
 def cross_entropy_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> jax.Array:
   """Mean next-token cross-entropy (nats) of batch["targets"] given batch["inputs"] (over
   chunks of the vocabulary loss when the model's loss_chunk is set: `toolkit.training.losses`)."""
   model = nnx.merge(graphdef, params)
-  return losses.next_token_loss(model, *token_order(batch))[0]
+  return losses.next_token_loss(model, **token_order(batch))[0]
 
 
 def lm_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> tuple[jax.Array, Metrics]:
@@ -85,7 +99,7 @@ def lm_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> tuple[jax.Array, Me
   and the model's metrics (router statistics; none for a dense model). See
   `toolkit.training.losses`."""
   model = nnx.merge(graphdef, params)
-  return losses.next_token_objective(model, *token_order(batch))
+  return losses.next_token_objective(model, **token_order(batch))
 
 
 def split_microbatches(batch: Batch, count: int) -> Batch:
@@ -99,10 +113,14 @@ def split_microbatches(batch: Batch, count: int) -> Batch:
 
 def loss_and_grads(loss_fn: Callable, params, batch: Batch, microbatches: int):
   """`loss_fn(params, batch) -> (loss, metrics)`: returns ((mean loss, mean metrics), the
-  loss's gradient), accumulated in float32 over equal micro-batches."""
+  loss's gradient), accumulated in float32 over equal micro-batches. A batch with per-token
+  "loss_weights" (packed documents) has its micro-batches' losses combined by their weights
+  (`weighted_loss_and_grads`), so the loss is the weighted mean over the whole batch."""
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   if microbatches == 1:
     return grad_fn(params, batch)
+  if "loss_weights" in batch:
+    return weighted_loss_and_grads(grad_fn, params, batch, microbatches)
 
   def accumulate(carry, micro):
     loss_sum, grad_sum = carry
@@ -118,10 +136,69 @@ def loss_and_grads(loss_fn: Callable, params, batch: Batch, microbatches: int):
   return (loss_sum / microbatches, metrics), grads
 
 
+def weighted_loss_and_grads(grad_fn: Callable, params, batch: Batch, microbatches: int):
+  """`loss_and_grads` for a batch with "loss_weights": micro-batch m's loss is its weighted
+  mean S_m / W_m (`losses.weight_total`), so W_m x loss_m summed over the micro-batches and
+  divided by the whole batch's W is sum(weights x per-token loss) / sum(weights) over the
+  global batch, not a mean of per-micro-batch means (which would overweight the tokens of
+  sparse micro-batches); the gradients likewise. Terms that are not per-token means (the
+  router's auxiliary loss) enter with their micro-batch's share of the weight, which is 1 / M
+  when the micro-batches hold equal weight."""
+  def accumulate(carry, micro):
+    loss_sum, grad_sum = carry
+    (loss, metrics), grads = grad_fn(params, micro)
+    weight = jnp.sum(micro["loss_weights"], dtype=jnp.float32)
+    return (loss_sum + weight * loss,
+            jax.tree.map(lambda a, g: a + weight * g.astype(jnp.float32), grad_sum, grads)), \
+        metrics
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  (loss_sum, grad_sum), metrics = jax.lax.scan(
+      accumulate, (jnp.zeros((), jnp.float32), zeros), split_microbatches(batch, microbatches))
+  total = losses.weight_total(batch["loss_weights"])
+  grads = jax.tree.map(lambda g, p: (g / total).astype(p.dtype), grad_sum, params)
+  metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+  return (loss_sum / total, metrics), grads
+
+
 def apply_grads(optimizer: optax.GradientTransformation, state: State, grads) -> State:
-  updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-  return {**state, "step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
+  """The optimizer's update of the trainable parameters (`grads` is shaped like them); frozen
+  ones pass through untouched (state.split_trainable)."""
+  trainable, frozen = split_trainable(state["params"])
+  updates, opt_state = optimizer.update(grads, state["opt_state"], trainable)
+  return {**state, "step": state["step"] + 1,
+          "params": combine(optax.apply_updates(trainable, updates), frozen),
           "opt_state": opt_state}
+
+
+def with_frozen(loss_fn: Callable, frozen) -> Callable:
+  """`loss_fn(params, batch)` as a function of the trainable parameters alone, the frozen ones
+  held fixed: what the gradient is taken of (none is computed for frozen weights)."""
+  return lambda trainable, batch: loss_fn(combine(trainable, frozen), batch)
+
+
+# The batch entry that carries each row's LoRA dropout key into the loss (`with_dropout_keys`).
+DROPOUT_KEYS = "lora_dropout_keys"
+
+
+def with_dropout_keys(state: State, batch: Batch) -> Batch:
+  """`batch` plus each row's dropout key for LoRA adapters (models.lora), from the state's rng
+  and step: per row, so the masks are the same however the batch is split (micro-batches,
+  devices). Unused (and compiled away) by a model without adapters."""
+  key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+  rows = jax.tree.leaves(batch)[0].shape[0]
+  return {**batch, DROPOUT_KEYS: sharding.constrain(lora.row_keys(key, rows), ("batch", None))}
+
+
+def adapter_training(loss_fn: Callable, values: dict | None = None) -> Callable:
+  """`loss_fn(params, batch)` with the model's LoRA adapters in training mode: dropout from the
+  keys `with_dropout_keys` put in the batch (taken out before `loss_fn` sees it), and
+  `values` ({"alpha", "dropout"}: a population trial's traced values) for the config's."""
+  def loss(params, batch: Batch):
+    batch = dict(batch)
+    with lora.runtime(keys=batch.pop(DROPOUT_KEYS), **(values or {})):
+      return loss_fn(params, batch)
+  return loss
 
 
 def step_metrics(loss: jax.Array, grads, params, learning_rate: jax.Array,
@@ -141,24 +218,31 @@ class TrainStep:
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, microbatches: int, rules: sharding.Rules,
                     mesh: Mesh, loss: Callable | None = None,
-                    evaluate: Callable | None = None) -> TrainStep:
+                    evaluate: Callable | None = None,
+                    adapter_values: dict | None = None) -> TrainStep:
   """`loss(graphdef, params, batch)` -> (mean loss, metrics) (default: `lm_loss`) and
   `evaluate(graphdef, params, batch)` -> eval output (default: next-token cross-entropy);
-  see toolkit.training.tasks."""
+  see toolkit.training.tasks. Gradients and updates cover the trainable parameters only
+  (`state.split_trainable`: a LoRA model's adapters); `adapter_values` as in
+  `adapter_training`."""
   task_loss = loss or lm_loss
   task_eval = evaluate or cross_entropy_loss
-  loss_fn = lambda params, batch: task_loss(graphdef, params, batch)
+  loss_fn = adapter_training(lambda params, batch: task_loss(graphdef, params, batch),
+                             adapter_values)
 
   def train_step(state: State, batch: Batch) -> tuple[State, Metrics]:
     step.traces += 1
+    trainable, frozen = split_trainable(state["params"])
     with sharding.activation_rules(rules, mesh):
-      (loss, metrics), grads = loss_and_grads(loss_fn, state["params"], batch, microbatches)
+      (loss, metrics), grads = loss_and_grads(with_frozen(loss_fn, frozen), trainable,
+                                              with_dropout_keys(state, batch), microbatches)
     new_state = apply_grads(optimizer, state, grads)
-    return new_state, step_metrics(loss, grads, state["params"], schedule(state["step"]),
-                                   metrics)
+    return new_state, step_metrics(loss, grads, trainable, schedule(state["step"]), metrics)
 
   def eval_step(state: State, batch: Batch):
-    with sharding.activation_rules(rules, mesh):
+    # No dropout; a population trial's own LoRA alpha.
+    with sharding.activation_rules(rules, mesh), lora.runtime(
+        alpha=(adapter_values or {}).get("alpha")):
       return task_eval(graphdef, state["params"], batch)
 
   step = TrainStep(fn=train_step, eval_fn=eval_step)

@@ -5,7 +5,9 @@ rather than branched on inside it. `for_run` gives the task of a model family (`
 its training loss as configured:
 
   lm              next-token cross-entropy (plus a mixture of experts' router losses, reported
-                  with its router statistics); batch {"inputs", "targets"} (batch, length) int32
+                  with its router statistics); batch {"inputs", "targets"} (batch, length) int32,
+                  rows of packed documents also "segment_ids", "positions" and "loss_weights"
+                  (toolkit.training.step), the loss then their weighted mean
   classification  softmax cross-entropy over classes; batch {"images" (batch, H, W, C) float32,
                   "labels" (batch,) int32}, eval batches also "weights" (batch,) float32,
                   1 for a real example and 0 for padding; trained against label-smoothed
@@ -42,11 +44,23 @@ class Task:
 # --- next-token prediction --------------------------------------------------------------------
 
 def lm_eval(graphdef: nnx.GraphDef, params, batch: Batch) -> dict:
-  return {"loss": cross_entropy_loss(graphdef, params, batch)}
+  """The batch's mean cross-entropy; with "loss_weights" its weighted mean and the weights'
+  sum ("weight"), so that the summary weighs each batch by the tokens it counts."""
+  loss = cross_entropy_loss(graphdef, params, batch)
+  if "loss_weights" not in batch:
+    return {"loss": loss}
+  return {"loss": loss, "weight": jnp.sum(batch["loss_weights"], dtype=jnp.float32)}
 
 
 def lm_summary(results: Sequence[dict]) -> dict:
-  loss = float(np.mean([r["loss"] for r in results]))
+  """The mean loss over the eval batches: over every token alike (batches without weights
+  hold the same number of tokens), or weighted by each batch's "weight"."""
+  if results and "weight" in results[0]:
+    weights = np.asarray([float(r["weight"]) for r in results])
+    losses = np.asarray([float(r["loss"]) for r in results])
+    loss = float(np.sum(losses * weights) / max(float(np.sum(weights)), 1e-30))
+  else:
+    loss = float(np.mean([r["loss"] for r in results]))
   return {"loss": loss, "bits_per_byte": loss / math.log(2)}
 
 

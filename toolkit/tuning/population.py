@@ -2,7 +2,9 @@
 
 Every leaf of the train state gets a leading `trial` axis (logical name `trial`, split over the
 `population` mesh axis by every rules preset); the model's own sharding stays on the remaining
-mesh axes. The per-trial hyperparameters are arrays of shape (K,) passed into the step, so the
+mesh axes. With LoRA (model.lora_rank > 0) the frozen base is the exception: one copy, without a
+trial axis, that every trial's adapters apply to (`shared_leaves`); it comes from
+`train.init_from` (read once) or else from the seed, which the trials must then share. The per-trial hyperparameters are arrays of shape (K,) passed into the step, so the
 program is compiled once for all K trials, and the step is the single-run step
 (`toolkit.training.step.make_train_step`) under `jax.vmap`:
 
@@ -12,8 +14,9 @@ program is compiled once for all K trials, and the step is the single-run step
 
 Values that can differ between the trials of one population (`VALUE_FIELDS`): peak learning
 rate, minimum learning-rate ratio, warmup length, weight decay, Adam b1/b2/eps, the clipping
-norm, the init scale `model.init_std`, and `seed` (initialization and data order: with
-different seeds each trial gets its own batch). Anything else that differs is refused with the
+norm, the init scale `model.init_std`, `seed` (initialization and data order: with
+different seeds each trial gets its own batch), and LoRA's `model.lora_alpha` and
+`model.lora_dropout`. Anything else that differs is refused with the
 field's name; fields that change a shape say so.
 
 Each trial keeps the layout of a single run in its own workdir (config.json, metrics.jsonl,
@@ -22,24 +25,28 @@ checkpoints/), so any trial continues as an ordinary `python -m toolkit.train` r
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 import sharding
+from models import lora
 from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
 from toolkit.training import checkpoint, metrics as metrics_lib, state as state_lib
 from toolkit.training import step as step_lib
 from toolkit.training import setup as setup_lib
+from toolkit.tuning import trial_state
+from toolkit.tuning.trial_state import TrialLayout
 
 # Config fields that enter the step (or the init) as values: field -> dtype of its array.
 VALUE_FIELDS: dict[str, type] = {
@@ -53,6 +60,8 @@ VALUE_FIELDS: dict[str, type] = {
     "optimizer.clip_norm": jnp.float32,
     "model.init_std": jnp.float32,
     "seed": jnp.int32,
+    "model.lora_alpha": jnp.float32,
+    "model.lora_dropout": jnp.float32,
 }
 # Fields that change an array's shape or dtype (so the program itself).
 SHAPE_FIELDS = ({f"model.{name}" for name in checkpoint.SHAPE_FIELDS}
@@ -132,10 +141,11 @@ class Population:
   shared_data: bool                   # one batch for all trials (all seeds equal)
   trial_batches: list                 # data.Batches per trial (seeds differ) or [shared]
   train_step: Callable                # (state, hparams, batch) -> (state, metrics (K,))
-  eval_step: Callable                 # (state, batch) -> losses (K,)
+  eval_step: Callable                 # (state, hparams, batch) -> losses (K,)
   init: Callable                      # () -> state
   take: Callable                      # (state, i) -> trial i's state, in a single-run layout
   stack: Callable                     # (*single states) -> state
+  trial_layout: TrialLayout           # which leaves have the trial axis (not a LoRA base)
 
   @property
   def mesh(self):
@@ -143,6 +153,17 @@ class Population:
 
   def batch(self, step: int):
     return self._gather([b.batch(step) for b in self.trial_batches])
+
+  def batches_from(self, start: int) -> Iterator:
+    """The training batches from step `start` on, as `batch` gives them, through each
+    source's iterator (a packed source, such as chat data, then packs each batch once)."""
+    iterators = [b.iterator(start, prefetch=0) for b in self.trial_batches]
+    try:
+      while True:
+        yield self._gather([next(it) for it in iterators])
+    finally:
+      for it in iterators:
+        it.close()
 
   def eval_batch(self, index: int):
     return self._gather([b.eval_batch(index) for b in self.trial_batches])
@@ -152,10 +173,6 @@ class Population:
 
   def stack_batches(self, *batches):
     return _stacker(self.mesh, self.setup.spec.rules)(*batches)
-
-
-def _prefixed(sharding_: NamedSharding) -> NamedSharding:
-  return NamedSharding(sharding_.mesh, PartitionSpec("population", *sharding_.spec))
 
 
 _STACKERS: dict = {}
@@ -195,10 +212,6 @@ def build(configs: Sequence[ml_collections.ConfigDict], devices=None,
   config = population_config(configs, len(devices), axis_size)
   setup = setup_lib.build(config, devices)
   mesh, rules = setup.spec.mesh, setup.spec.rules
-  if not hasattr(setup.batches, "batch"):
-    raise ConfigError(f"population mode reads each step's batch by its number; "
-                      f"data.source={config.data.source!r} streams through Grain instead; run "
-                      f"this sweep with --mode=processes")
   k = len(configs)
   flats = [_flat(c) for c in configs]
   trial_sharding = NamedSharding(mesh, rules.param_spec(("trial",), mesh, (k,), "trial axis"))
@@ -210,26 +223,38 @@ def build(configs: Sequence[ml_collections.ConfigDict], devices=None,
     trial_batches = [setup_lib.build(_with(config, seed=int(f["seed"])), devices).batches
                      for f in flats]
 
-  single = setup.layout
-  shardings = jax.tree.map(_prefixed, single.shardings)
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct((k,) + a.shape, a.dtype, sharding=s),
-                          single.abstract, shardings)
-  train_step, eval_step = _vmapped_steps(config, setup, shardings, trial_sharding, shared_data)
-  init_jit = _vmapped_init(setup, shardings, trial_sharding, vary="model.init_std" in fields)
-  take = jax.jit(lambda s, i: jax.tree.map(lambda x: x[i], s),
-                 in_shardings=(shardings, None), out_shardings=single.shardings)
-  stack = jax.jit(lambda *states: jax.tree.map(lambda *x: jnp.stack(x), *states),
-                  out_shardings=shardings)
+  layout = TrialLayout.of(setup.layout, k)
+  _check_shared_base(config, fields, layout)
+  train_step, eval_step = _vmapped_steps(config, setup, layout, trial_sharding, shared_data)
+  init = trial_state.initializer(config, setup, layout, hparams,
+                                 vary="model.init_std" in fields)
   return Population(
-      setup=setup, size=k, hparams=hparams, abstract=abstract, shardings=shardings,
-      shared_data=shared_data, trial_batches=trial_batches, train_step=train_step,
-      eval_step=eval_step, init=lambda: init_jit(hparams["seed"], hparams["model.init_std"]),
-      take=take, stack=stack)
+      setup=setup, size=k, hparams=hparams, abstract=layout.abstract,
+      shardings=layout.shardings, shared_data=shared_data, trial_batches=trial_batches,
+      train_step=train_step, eval_step=eval_step, init=init, take=layout.take_fn(),
+      stack=layout.stack_fn(), trial_layout=layout)
 
 
-def _vmapped_steps(config, setup, shardings, trial_sharding, shared_data: bool):
-  """The train and eval steps of one trial, vmapped over the trial axis and jitted: each
-  trial's optimizer and schedule come from its own hyperparameter values."""
+def _check_shared_base(config, fields: list[str], layout: TrialLayout) -> None:
+  """A LoRA population trains every trial on one frozen base: refuses trials whose own runs
+  would each draw a different one."""
+  if not layout.shares:
+    return
+  if "model.init_std" in fields:
+    raise ConfigError("population mode with LoRA holds one frozen base for all trials: the "
+                      "trials differ in model.init_std, which only draws the base; keep it "
+                      "fixed, or run this sweep with --mode=processes")
+  if "seed" in fields and not config.train.get("init_from", ""):
+    raise ConfigError("population mode with LoRA holds one frozen base for all trials: the "
+                      "trials differ in seed and have no train.init_from, so each of their "
+                      "runs would draw its own random base; set train.init_from=hf:DIR, keep "
+                      "seed fixed, or run this sweep with --mode=processes")
+
+
+def _vmapped_steps(config, setup, layout: TrialLayout, trial_sharding, shared_data: bool):
+  """The train and eval steps of one trial, vmapped over the trial axis (not over the shared
+  leaves: a LoRA base) and jitted: each trial's optimizer, schedule, and LoRA alpha and
+  dropout come from its own hyperparameter values."""
   single, mesh, rules, task = setup.layout, setup.spec.mesh, setup.spec.rules, setup.task
   schedule_steps = config.optimizer.schedule_steps or config.train.steps
   base_optimizer = config.optimizer.to_dict()
@@ -241,54 +266,42 @@ def _vmapped_steps(config, setup, shardings, trial_sharding, shared_data: bool):
     return (step_lib.make_optimizer(types.SimpleNamespace(**values), schedule_steps, schedule),
             schedule)
 
-  def one_step(state, hp, batch):
+  def trial_step(hp):
     optimizer, schedule = optimizer_for(hp)
-    trial_step = step_lib.make_train_step(single.graphdef, optimizer, schedule,
-                                          config.train.microbatches, rules, mesh,
-                                          loss=task.loss, evaluate=task.evaluate)
-    return trial_step.fn(state, batch)
+    adapter_values = ({"alpha": hp["model.lora_alpha"], "dropout": hp["model.lora_dropout"]}
+                      if layout.shares else None)
+    return step_lib.make_train_step(single.graphdef, optimizer, schedule,
+                                    config.train.microbatches, rules, mesh, loss=task.loss,
+                                    evaluate=task.evaluate, adapter_values=adapter_values)
 
-  eval_fn = step_lib.make_train_step(single.graphdef, setup.optimizer, None,
-                                     config.train.microbatches, rules, mesh, loss=task.loss,
-                                     evaluate=task.evaluate).eval_fn
+  one_step = lambda state, hp, batch: trial_step(hp).fn(state, batch)
+  eval_one = lambda state, hp, batch: trial_step(hp).eval_fn(state, batch)
   batch_axis = None if shared_data else 0
-  vmapped = jax.vmap(one_step, in_axes=(0, 0, batch_axis), spmd_axis_name="population")
+  vmapped = jax.vmap(one_step, in_axes=(layout.axes, 0, batch_axis),
+                     out_axes=(layout.axes, 0), spmd_axis_name="population")
   hparam_shardings = {f: trial_sharding for f in VALUE_FIELDS}
-  batch_sharding = setup.batches.abstract()["inputs"].sharding
+  # Every key of the source's batches (inputs and targets; chat data adds its loss weights).
+  batch_shardings = {key: a.sharding for key, a in setup.batches.abstract().items()}
   if not shared_data:
-    batch_sharding = NamedSharding(mesh, rules.activation_spec(("trial", "batch", None), mesh))
-  batch_shardings = {"inputs": batch_sharding, "targets": batch_sharding}
+    stacked = NamedSharding(mesh, rules.activation_spec(("trial", "batch", None), mesh))
+    batch_shardings = {key: stacked for key in batch_shardings}
+  shardings = layout.shardings
   train_step = jax.jit(vmapped, in_shardings=(shardings, hparam_shardings, batch_shardings),
                        out_shardings=(shardings, trial_sharding), donate_argnums=0)
-  eval_step = jax.jit(jax.vmap(eval_fn, in_axes=(0, batch_axis), spmd_axis_name="population"),
-                      in_shardings=(shardings, batch_shardings), out_shardings=trial_sharding)
+  eval_step = jax.jit(jax.vmap(eval_one, in_axes=(layout.axes, 0, batch_axis),
+                               spmd_axis_name="population"),
+                      in_shardings=(shardings, hparam_shardings, batch_shardings),
+                      out_shardings=trial_sharding)
   return train_step, eval_step
 
 
-def _vmapped_init(setup, shardings, trial_sharding, vary: bool):
-  """Every trial's initial state from its seed (and its init_std when `vary`), jitted."""
-  model_cfg = setup.spec.model
-
-  def init_one(seed, init_std):
-    if not vary:
-      return state_lib._init(model_cfg, setup.optimizer, seed)  # pylint: disable=protected-access
-    # The init is affine in init_std (every parameter is a constant or init_std x a fixed
-    # draw), so one draw at 0 and one at 1 give every trial's init with its own scale.
-    init = state_lib._init  # pylint: disable=protected-access
-    at = lambda std: init(dataclasses.replace(model_cfg, init_std=std), setup.optimizer, seed)
-    zero, one = at(0.0), at(1.0)
-    params = jax.tree.map(lambda p0, p1: (p0 + init_std * (p1 - p0)).astype(p0.dtype),
-                          zero["params"], one["params"])
-    return {**zero, "params": params, "opt_state": setup.optimizer.init(params)}
-
-  return jax.jit(jax.vmap(init_one, spmd_axis_name="population"),
-                 in_shardings=(trial_sharding, trial_sharding), out_shardings=shardings)
-
-
 def sharding_table(pop: Population) -> sharding.ShardingReport:
-  """The sharding report of the population's parameters (with their leading trial axis)."""
+  """The sharding report of the population's parameters (with their leading trial axis, but
+  for the shared ones: a LoRA base)."""
   _, entries = state_lib.param_entries(pop.setup.spec.model)
-  entries = [(path, (pop.size,) + shape, dtype, ("trial",) + axes)
+  shares = pop.trial_layout.shares
+  entries = [(path, shape, dtype, axes) if shares and not lora.is_adapter(path) else
+             (path, (pop.size,) + shape, dtype, ("trial",) + axes)
              for path, shape, dtype, axes in entries]
   return sharding.sharding_report(entries, pop.setup.spec.rules, pop.mesh)
 
@@ -326,14 +339,17 @@ def run(configs: Sequence[ml_collections.ConfigDict], workdirs: Sequence[str], u
 
   # --- compile once (for all K trials) -------------------------------------------------------
   compile_start = time.perf_counter()
-  trials.train_step = pop.train_step.lower(state, pop.hparams, pop.batch(start)).compile()
-  trials.eval_step = pop.eval_step.lower(state, pop.eval_batch(0)).compile()
+  batches = pop.batches_from(start)
+  first = next(batches)
+  trials.train_step = pop.train_step.lower(state, pop.hparams, first).compile()
+  trials.eval_step = pop.eval_step.lower(state, pop.hparams, pop.eval_batch(0)).compile()
   log(f"compiled the population step in {time.perf_counter() - compile_start:.1f} s")
 
   # --- loop ----------------------------------------------------------------------------------
   try:
-    _train(trials, state, start)
+    _train(trials, state, start, itertools.chain([first], batches))
   finally:
+    batches.close()
     trials.close()
   for workdir in workdirs:
     metrics_lib.plot_loss_curve(os.path.join(workdir, "metrics.jsonl"),
@@ -366,8 +382,15 @@ class _Trials:
     if not common:
       return self.pop.init()
     restore_step = max(common)
-    singles = [m.restore(restore_step, self.pop.setup.layout.abstract)[0]
-               for m in self.managers]
+    abstract = self.pop.setup.layout.abstract
+    first = self.managers[0].restore(restore_step, abstract)[0]
+    # The other trials' checkpoints hold the same base (a LoRA population): not read again.
+    shares = self.pop.trial_layout.shares
+    base = state_lib.split_trainable(first["params"])[1]
+    target = {**abstract, "params": state_lib.split_trainable(abstract["params"])[0]}
+    rest = [m.restore(restore_step, target if shares else abstract, partial=shares)[0]
+            for m in self.managers[1:]]
+    singles = [first] + [{**r, "params": state_lib.combine(r["params"], base)} for r in rest]
     self.log(f"restored the {self.pop.size} trials at step {restore_step}")
     return self.pop.stack(*singles)
 
@@ -376,7 +399,7 @@ class _Trials:
 
   def evaluate(self, state, at_step: int) -> None:
     pop = self.pop
-    outputs = jax.device_get([self.eval_step(state, pop.eval_batch(i))
+    outputs = jax.device_get([self.eval_step(state, pop.hparams, pop.eval_batch(i))
                               for i in range(pop.trial_batches[0].eval_batches)])
     losses = []
     for t in self.live():  # each trial summarized as its own run summarizes its eval
@@ -422,15 +445,16 @@ class _Trials:
       writer.close()
 
 
-def _train(trials: _Trials, state, start: int) -> None:
-  """Steps from `start` to `until` with log/eval/checkpoint every N steps, as the loop does."""
+def _train(trials: _Trials, state, start: int, batches: Iterator) -> None:
+  """Steps from `start` to `until` (`batches` from `start` on) with log/eval/checkpoint every
+  N steps, as the loop does."""
   train, pop, until = trials.configs[0].train, trials.pop, trials.until
   if start == 0:
     trials.evaluate(state, 0)
   pending: list = []
   since = time.perf_counter()
   for current in range(start, until):
-    state, step_metrics = trials.train_step(state, pop.hparams, pop.batch(current))
+    state, step_metrics = trials.train_step(state, pop.hparams, next(batches))
     done = current + 1
     pending.append((done, step_metrics))
     at_end = done == until

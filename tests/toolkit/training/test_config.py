@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from experiments import lm, moe, vit
+from experiments import lm, moe, sft, vit
 from toolkit.errors import ConfigError
 from toolkit.training import config as config_lib
 
@@ -20,6 +20,8 @@ CONFIGS = {
        for arg in ("cpu", "tiny", "b16", "data=npz")},
     **{f"moe:{arg}": (lambda arg=arg: moe.get_config(arg))
        for arg in ("cpu", "tiny", "size=8x7b", "dispatch=capacity", "every=2")},
+    **{f"sft:{arg}": (lambda arg=arg: sft.get_config(arg))
+       for arg in ("cpu", "tiny", "1b", "task=add,packing=on")},
 }
 
 

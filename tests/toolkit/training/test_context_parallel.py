@@ -130,8 +130,8 @@ def test_decoding_with_a_split_cache_is_refused(tmp_path):
   setup = training.build(config)
   with pytest.raises(ConfigError,
                      match=r"KV cache split over sequence=4 \(context parallelism\) .* --config.mesh.ici="):
-    restore._refuse_split_cache(setup)  # pylint: disable=protected-access
-  restore._refuse_split_cache(training.build(tiny_config()))  # pylint: disable=protected-access
+    restore._refuse_split_cache(setup.spec)  # pylint: disable=protected-access
+  restore._refuse_split_cache(training.build(tiny_config()).spec)  # pylint: disable=protected-access
 
 
 @pytest.mark.slow  # three training processes, ~60 s
