@@ -69,25 +69,31 @@ def _apply_quick() -> None:
 
 
 def time_decode(engine, batch: int, prompt_length: int, steps: int, rng) -> float:
-  """Median seconds per decode step with every slot busy."""
+  """Median seconds per decode step with every slot busy (the engine's step: rows laid out on
+  the host, the paged cache read and written, the tokens back on the host)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from toolkit.inference.sampling import SamplingParams, row_arrays  # pylint: disable=g-import-not-at-top
-  cache = engine.new_cache(batch)
+  from toolkit.inference.engine import RowWork  # pylint: disable=g-import-not-at-top
+  from toolkit.inference.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
+  per_row, per_device = engine.pages_per_row, batch // engine.batch_ways
+  cache = engine.new_cache(batch * per_row)
+  # Row i runs on device block i // per_device, on its own pages of that block.
+  pages = [range((i % per_device) * per_row, (i % per_device + 1) * per_row)
+           for i in range(batch)]
+  greedy = SamplingParams()
   prompts = [rng.integers(0, engine.model_cfg.vocab_size, prompt_length).astype(np.int32)
              for _ in range(batch)]
-  greedy = [SamplingParams()] * batch
-  cache, first, _ = engine.prefill(cache, prompts, list(range(batch)), greedy, batch)
-  tokens = np.asarray(first)
-  rows = row_arrays(greedy)
+  rows = [RowWork(i // per_device, prompts[i], 0, pages[i], greedy, 0) for i in range(batch)]
+  cache, first, _, order = engine.step(
+      cache, [(rows, engine.prompt_bucket(prompt_length), per_device)])
+  tokens = np.asarray(first)[order]
   rounds = []
   for r in range(_ROUNDS.value + 1):  # round 0 compiles and warms up
-    positions = np.full(batch, prompt_length, np.int32)
     start = time.perf_counter()
     for i in range(steps):
-      cache, next_tokens, _ = engine.decode(cache, tokens, positions, rows,
-                                            np.full(batch, i + 1, np.int32))
-      tokens = np.asarray(next_tokens)  # the per-step host round trip of serving
-      positions = positions + 1
+      rows = [RowWork(j // per_device, tokens[j:j + 1], prompt_length + i, pages[j], greedy,
+                      i + 1) for j in range(batch)]
+      cache, next_tokens, _, order = engine.step(cache, [(rows, 1, per_device)])
+      tokens = np.asarray(next_tokens)[order]  # the per-step host round trip of serving
     if r:
       rounds.append((time.perf_counter() - start) / steps)
   return statistics.median(rounds)

@@ -4,7 +4,8 @@
   python scripts/load_test.py --url=http://127.0.0.1:8000 --clients=16 --requests=200
 
 Request i has a prompt cut from a fixed English text (offset and length vary with i, 4-44
-bytes), max_tokens --max_tokens, temperature --temperature and seed i, and carries "id": i,
+bytes), or with --prompt_tokens=N N random token ids below --vocab_size (seeded by i), max_tokens
+--max_tokens, temperature --temperature and seed i, and carries "id": i,
 which the server echoes; a response with another id counts as mixed up. Reports throughput
 (requests/s, completion tokens/s) and latency p50/p90/p99/max as seen by the clients, plus
 the server's time to first token. Exit status 1 when any request failed or came back mixed up.
@@ -27,11 +28,15 @@ TEXT = ("It was the best of times, it was the worst of times, it was the age of 
         "it was the winter of despair. ")
 
 
-def request_body(index: int, max_tokens: int, temperature: float) -> dict:
+def request_body(index: int, max_tokens: int, temperature: float, prompt_tokens: int = 0,
+                 vocab_size: int = 256) -> dict:
+  body = {"id": index, "max_tokens": max_tokens, "temperature": temperature, "seed": index}
+  if prompt_tokens:
+    ids = np.random.default_rng(index).integers(0, vocab_size, prompt_tokens)
+    return {**body, "tokens": [int(t) for t in ids]}
   start = (index * 37) % (len(TEXT) - 50)
   length = 4 + (index * 13) % 41
-  return {"id": index, "prompt": TEXT[start:start + length], "max_tokens": max_tokens,
-          "temperature": temperature, "seed": index}
+  return {**body, "prompt": TEXT[start:start + length]}
 
 
 async def _client(session: aiohttp.ClientSession, url: str, work: asyncio.Queue,
@@ -106,6 +111,10 @@ def define_flags() -> None:
   flags.DEFINE_integer("clients", 16, "Concurrent clients.", lower_bound=1)
   flags.DEFINE_integer("requests", 200, "Requests in all.", lower_bound=1)
   flags.DEFINE_integer("max_tokens", 32, "max_tokens per request.", lower_bound=1)
+  flags.DEFINE_integer("prompt_tokens", 0, "Prompts of this many random token ids; 0: text "
+                       "cut from a fixed English text.", lower_bound=0)
+  flags.DEFINE_integer("vocab_size", 256, "--prompt_tokens draws ids below this.",
+                       lower_bound=1)
   flags.DEFINE_float("temperature", 0.0, "Temperature per request (seed = i).",
                      lower_bound=0.0)
   flags.DEFINE_float("timeout", 300.0, "Seconds per request before it counts as failed.",
@@ -117,7 +126,8 @@ def define_flags() -> None:
 
 def main(argv) -> None:
   del argv
-  bodies = [request_body(i, flags.FLAGS.max_tokens, flags.FLAGS.temperature)
+  bodies = [request_body(i, flags.FLAGS.max_tokens, flags.FLAGS.temperature,
+                         flags.FLAGS.prompt_tokens, flags.FLAGS.vocab_size)
             for i in range(flags.FLAGS.requests)]
   url = flags.FLAGS.url.rstrip("/")
   try:

@@ -25,6 +25,11 @@ TINY = dict(vocab_size=258, hidden_size=64, intermediate_size=192, num_hidden_la
             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
             rope_theta=500_000.0)
+# Larger models of the same family for benchmarks (--size): 25m is a 25 M-parameter Llama
+# with a 32k vocabulary (scripts/bench_batch_fit.py serves it).
+SIZES = {"tiny": {}, "25m": dict(vocab_size=32_000, hidden_size=384, intermediate_size=1024,
+                                 num_hidden_layers=8, num_attention_heads=6,
+                                 num_key_value_heads=6, max_position_embeddings=4096)}
 
 
 def byte_tokenizer():
@@ -85,6 +90,8 @@ def main() -> None:
   from toolkit.pod.report import human_count  # pylint: disable=g-import-not-at-top
   out = flags.DEFINE_string("out", None, "Required. The new model folder.")
   seed = flags.DEFINE_integer("seed", 0, "Seed of the random weights.")
+  size = flags.DEFINE_enum("size", "tiny", list(SIZES), "Model size: tiny (the tests' model) "
+                           "or 25m (benchmarks).")
 
   def run(argv) -> None:
     del argv
@@ -94,7 +101,7 @@ def main() -> None:
       import transformers  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
     except ImportError:
       command_line.fail("this script needs transformers and torch: pip install -e '.[test]'")
-    model = write(out.value, seed.value)
+    model = write(out.value, seed.value, **SIZES[size.value])
     print(f"wrote {out.value}: LlamaForCausalLM, {human_count(model.num_parameters())} "
           f"parameters, byte tokenizer (BOS {BOS}, EOS {EOS})")
 

@@ -31,6 +31,33 @@ def define_sampling_flags():
   )
 
 
+def define_engine_flags():
+  """The cache and weight flags `toolkit.generate` and `toolkit.serve` share; `engine_options`
+  turns their values into an engine.Options."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from toolkit.inference import engine  # pylint: disable=g-import-not-at-top
+  return dict(
+      page_size=flags.DEFINE_integer("page_size", engine.DEFAULT_PAGE_SIZE, "KV cache "
+                                     "positions per page.", lower_bound=1),
+      cache_pages=flags.DEFINE_integer("cache_pages", 0, "KV cache pages in all; 0: "
+                                       "batch_size x the pages of one cache_length request.",
+                                       lower_bound=0),
+      prefill_chunk=flags.DEFINE_integer("prefill_chunk", 0, "Prompt tokens prefilled per step "
+                                         "beside the decoding requests; 0: whole prompts at "
+                                         "once.", lower_bound=0),
+      prefix_caching=flags.DEFINE_bool("prefix_caching", True, "Reuse the cached pages of "
+                                       "prompt prefixes seen before."),
+      quantize=flags.DEFINE_enum("quantize", "none", list(engine.WEIGHT_FORMATS), "Weights as "
+                                 "served: none (as restored), bfloat16, or int8 (per-channel "
+                                 "scales)."),
+  )
+
+
+def engine_options(engine_flags: dict):
+  from toolkit.inference import engine  # pylint: disable=g-import-not-at-top
+  return engine.Options(**{name: flag.value for name, flag in engine_flags.items()})
+
+
 def define_tokenizer_flag():
   """--tokenizer, shared by `toolkit.generate`, `toolkit.serve` and `toolkit.sample`."""
   from absl import flags  # pylint: disable=g-import-not-at-top
@@ -61,6 +88,7 @@ def cli() -> None:
                                     "KV cache positions per request: prompt + max_tokens must "
                                     "fit.", lower_bound=2)
   sampling_flags = define_sampling_flags()
+  engine_flags = define_engine_flags()
   tokenizer_flag = define_tokenizer_flag()
   cache_dir_flag = command_line.define_runtime_flags()
 
@@ -74,7 +102,8 @@ def cli() -> None:
       records = offline.run(config_flag.value, checkpoint_flag.value, prompt=prompt_flag.value,
                     prompts_file=prompts_file_flag.value, output=output_flag.value,
                     defaults=defaults, batch_size=batch_flag.value,
-                    cache_length=cache_flag.value, tokenizer=tokenizer_flag.value)
+                    cache_length=cache_flag.value, tokenizer=tokenizer_flag.value,
+                    options=engine_options(engine_flags))
     except (ConfigError, sharding.ShardingError) as e:
       command_line.fail(e)
     if prompt_flag.value is not None:

@@ -1,19 +1,19 @@
-"""`python -m toolkit.serve`: an HTTP JSON endpoint over the continuous batcher
-(toolkit/inference/server.py has the endpoints and their contract).
+"""`python -m toolkit.serve`: an HTTP JSON endpoint over the continuous batcher, with
+OpenAI's completions and chat completions (toolkit/inference/server.py has the endpoints and
+their contract, toolkit/inference/openai_api.py the OpenAI routes).
 
   python -m toolkit.serve --config=experiments/lm.py:cpu --checkpoint=runs/lm_cpu --port=8000
   curl -s localhost:8000/generate -d '{"prompt": "The ", "max_tokens": 40, "temperature": 0.8}'
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 
 def cli() -> None:
   """`python -m toolkit.serve`: flags are defined here and nowhere else."""
-  import signal  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
   from absl import app, flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   import sharding  # pylint: disable=g-import-not-at-top
@@ -21,6 +21,7 @@ def cli() -> None:
   from toolkit.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from toolkit.inference import engine as engine_lib  # pylint: disable=g-import-not-at-top
   from toolkit.inference import offline, requests, restore  # pylint: disable=g-import-not-at-top
+  from toolkit.inference import openai_protocol  # pylint: disable=g-import-not-at-top
   from toolkit.inference.codec import Codec  # pylint: disable=g-import-not-at-top
   from toolkit.inference.sampling import RequestError  # pylint: disable=g-import-not-at-top
   from toolkit.inference.server import Server  # pylint: disable=g-import-not-at-top
@@ -39,10 +40,12 @@ def cli() -> None:
                                     "KV cache positions per request: prompt + max_tokens must "
                                     "fit.", lower_bound=2)
   queue_flag = flags.DEFINE_integer("max_queue", 1024, "Requests that may wait for a slot; "
-                                    "more get 503.", lower_bound=1)
+                                    "more get 503 (/generate) or 429 (/v1).", lower_bound=1)
   timeout_flag = flags.DEFINE_float("request_timeout", 600.0, "Seconds before a request gets "
                                     "504.", lower_bound=1.0)
+  model_name_flag, chat_template_flag = _define_openai_flags()
   sampling_flags = generate.define_sampling_flags()
+  engine_flags = generate.define_engine_flags()  # paged cache, chunked prefill, weights
   tokenizer_flag = generate.define_tokenizer_flag()
   cache_dir_flag = command_line.define_runtime_flags()
 
@@ -56,38 +59,72 @@ def cli() -> None:
       params, model_cfg, mesh, rules, step = restore.restore_params(config_flag.value,
                                                                      checkpoint_flag.value)
       codec = Codec.load(tokenizer_flag.value).check(model_cfg.vocab_size)
+      openai_protocol.chat_encoder(codec, chat_template_flag.value)  # fails before the warm-up
       try:
         defaults.validate(model_cfg.vocab_size)
-        engine = engine_lib.Engine(model_cfg, params, mesh, rules, cache_flag.value)
-        batcher = engine_lib.Batcher(engine, batch_flag.value, max_queue=queue_flag.value)
+        options = generate.engine_options(engine_flags)
+        engine = options.engine(model_cfg, params, mesh, rules, cache_flag.value)
+        batcher = engine_lib.Batcher(engine, batch_flag.value, max_queue=queue_flag.value,
+                                     **options.batcher())
       except RequestError as e:
         raise ConfigError(f"--{e}") from None
-      print(f"restored step {step}; mesh {dict(mesh.shape)}, rules {rules.name}; compiling "
-            f"every prefill and decode shape before listening ...", flush=True)
+      print(f"restored step {step}; mesh {dict(mesh.shape)}, rules {rules.name}; "
+            f"{engine.describe_weights()}; KV cache {batcher.cache_pages} pages of "
+            f"{engine.page_size} positions; compiling every step shape before listening ...",
+            flush=True)
       start = time.perf_counter()
       shapes = batcher.warmup(log=lambda line: print(line, flush=True))
       print(f"compiled {shapes} shapes in {time.perf_counter() - start:.1f} s", flush=True)
       info = {"step": step, "batch_size": batch_flag.value, "cache_length": cache_flag.value,
               "mesh": dict(mesh.shape), "rules": rules.name}
+      model_name = model_name_flag.value or _workdir_name(checkpoint_flag.value)
       server = Server(batcher, defaults, host_flag.value, port_flag.value, timeout_flag.value,
-                      info, codec).start()
+                      info, codec, model_name, chat_template_flag.value).start()
     except (ConfigError, sharding.ShardingError, RequestError) as e:
       command_line.fail(e)
-    print(f"serving on {server.url} (POST /generate, GET /health, GET /metrics); Ctrl-C stops",
-          flush=True)
-    stopping = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-      signal.signal(sig, lambda *_: stopping.set())
-    while not stopping.wait(1.0):
-      if not server.service.loop_alive():
-        print("error: the decode loop stopped", file=sys.stderr, flush=True)
-        break
-    server.stop()
-    print("stopped", flush=True)
+    _serve_until_stopped(server, model_name)
 
   app.run(main, flags_parser=lambda argv: command_line.parse_flags(
       argv, config_flag, required={"checkpoint": "a training workdir, e.g. "
                                                  "--checkpoint=runs/lm_cpu"}))
+
+
+def _define_openai_flags():
+  """--model_name and --chat_template, the OpenAI routes' (toolkit/inference/openai_api.py)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  return (flags.DEFINE_string("model_name", "", "The model name of the OpenAI routes (GET "
+                              "/v1/models); default: the checkpoint's workdir name, e.g. "
+                              "lm_cpu."),
+          flags.DEFINE_string("chat_template", "", "Jinja chat template (text or a .jinja "
+                              "file) for /v1/chat/completions; default: the --tokenizer "
+                              "folder's, else a plain 'role: content' template."))
+
+
+def _serve_until_stopped(server, model_name: str) -> None:
+  """Announces the server, then waits for SIGINT/SIGTERM (or the decode loop to die)."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  print(f"chat template: {server.service.chat_template}", flush=True)
+  print(f"serving on {server.url} (POST /generate, /v1/completions, /v1/chat/completions; "
+        f"GET /v1/models, /health, /metrics; model name {model_name!r}); Ctrl-C stops",
+        flush=True)
+  stopping = threading.Event()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda *_: stopping.set())
+  while not stopping.wait(1.0):
+    if not server.service.loop_alive():
+      print("error: the decode loop stopped", file=sys.stderr, flush=True)
+      break
+  server.stop()
+  print("stopped", flush=True)
+
+
+def _workdir_name(checkpoint: str) -> str:
+  """runs/lm_cpu and runs/lm_cpu/checkpoints -> lm_cpu."""
+  path = os.path.normpath(checkpoint.rstrip("/"))
+  if os.path.basename(path) == "checkpoints":
+    path = os.path.dirname(path)
+  return os.path.basename(path) or "meshkit"
 
 
 if __name__ == "__main__":

@@ -1,43 +1,50 @@
-"""Generation with a KV cache on a mesh: compiled prefill and decode, and a slot scheduler that
-batches requests continuously.
+"""Generation with a paged KV cache on a mesh: the compiled step and how a step's rows are laid
+out for it. The scheduler that feeds it (continuous batching, prefix caching, chunked
+prefill, cancellation) is toolkit/inference/scheduler.py; its names are exported here too.
 
-Design (JetStream's prefill / insert / generate split, in one process):
-  * The cache holds `batch_size` slots, (layers, batch, cache_length, kv_heads, head_dim) for
-    keys and values, sharded by the activation rules like any activation.
-  * `prefill` runs new prompts (right-padded to a power-of-two length bucket) through the
-    model, writes their keys and values into free slots and samples each one's first token.
-  * `decode` advances every slot by one token. Each row has its own position, so requests of
-    different lengths share a step and a finished request's slot is refilled at the next step
-    while the others keep going (continuous batching).
-  * Both are jitted once per shape: decode per (batch size, cache length), prefill per
-    (prefill rows bucket, prompt length bucket). `Engine.traces` counts the traces.
+Design (vLLM's paged attention and mixed prefill/decode steps, in one process):
+  * The cache is a pool of pages, (layers, kv_heads, pages, page_size, head_dim) for keys and
+    values (models/paged.py), sharded by the activation rules like any activation: pages and
+    rows split like the batch, kv_heads like the heads. Memory follows the pages in use, not
+    slots x cache_length.
+  * `step` runs groups of rows through the model at once: decoding rows (one token each) and
+    prompt chunks (up to `chunk` tokens each), each row reading and writing its own pages
+    through its page table. A row's tokens go into its pages at their positions; the step
+    returns each row's next token (sampled) and its logits.
+  * One program per step shape: the rows of each group (a power of two per device: the
+    decode batch follows the live requests), the tokens per row of each group and the pages of
+    the pool. `Engine.traces` counts the traces.
+  * `quantize="int8"` stores the layer stack's matrices as int8 with per-channel scales
+    (models/quantization.py); "bfloat16" casts the weights to bfloat16.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import queue
-import sys
-import threading
-import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
-from models import LlamaConfig
-from models.llama import CACHE_AXES, init_cache
+from models import LlamaConfig, paged, quantization
+from models.llama import init_paged_cache
 from toolkit.inference import sampling
-from toolkit.training import state as state_lib
 from toolkit.inference.sampling import RequestError, SamplingParams
+# The scheduler's names, where callers have always found them.
+from toolkit.inference.scheduler import Batcher, Request, Result, RowWork, generate
+from toolkit.training import state as state_lib
+
+__all__ = ["Batcher", "Engine", "Request", "Result", "RowWork", "convert_weights", "decode_step",
+           "generate", "paged_step"]
 
 MIN_PROMPT_BUCKET = 16
+DEFAULT_PAGE_SIZE = 16
+WEIGHT_FORMATS = ("none", "bfloat16", "int8")
 
 
 def _next_power_of_two(n: int) -> int:
@@ -46,25 +53,65 @@ def _next_power_of_two(n: int) -> int:
 
 def decode_step(graphdef: nnx.GraphDef, rules: sharding.Rules, mesh: Mesh, params, cache,
                 tokens, positions, rows, token_index):
-  """One token for every cache slot: the model's decode and the sampler, under the rules.
-  Returns (cache, next tokens (batch,), logits (batch, vocab)). The engine jits it with the
-  cache donated; scripts/decode_cost.py compiles it ahead of time for a TPU topology."""
+  """One token for every slot of a contiguous cache (models/llama.py's `decode`): the
+  model's decode and the sampler, under the rules. Returns (cache, next tokens (batch,),
+  logits (batch, vocab)). scripts/decode_cost.py compiles it ahead of time beside the paged
+  step, to compare the two."""
   with sharding.activation_rules(rules, mesh):
     logits, cache = nnx.merge(graphdef, params).decode(tokens, positions, cache)
     next_tokens = sampling.sample(logits, rows, token_index)
   return cache, next_tokens, logits
 
 
+def paged_step(graphdef: nnx.GraphDef, rules: sharding.Rules, mesh: Mesh, params, cache,
+               tokens, positions, pages: paged.Rows, last, rows, token_index):
+  """The engine's step: every group of rows through the model against the paged cache
+  (models/llama.py's `extend`), then the sampler. Returns (cache, next tokens (rows,),
+  logits (rows, vocab)). The engine jits it with the cache donated; scripts/decode_cost.py
+  compiles it ahead of time for a TPU topology."""
+  with sharding.activation_rules(rules, mesh):
+    logits, cache = nnx.merge(graphdef, params).extend(tokens, positions, cache, pages, last)
+    next_tokens = sampling.sample(logits, rows, token_index)
+  return cache, next_tokens, logits
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """How a server or offline run holds its cache and weights (toolkit.generate's and
+  toolkit.serve's flags): positions per page, pages in all (0: batch_size x one cache_length
+  request's pages), prompt tokens prefilled per step (0: whole prompts), reuse of cached prompt
+  prefixes, and the weights' format (WEIGHT_FORMATS)."""
+  page_size: int = DEFAULT_PAGE_SIZE
+  cache_pages: int = 0
+  prefill_chunk: int = 0
+  prefix_caching: bool = True
+  quantize: str = "none"
+
+  def engine(self, model_cfg: LlamaConfig, params, mesh: Mesh, rules: sharding.Rules,
+             cache_length: int) -> Engine:
+    return Engine(model_cfg, params, mesh, rules, cache_length, self.page_size, self.quantize)
+
+  def batcher(self) -> dict:
+    """The Batcher's keyword arguments."""
+    return {"cache_pages": self.cache_pages, "prefill_chunk": self.prefill_chunk,
+            "prefix_caching": self.prefix_caching}
+
+
 class Engine:
-  """One model's parameters on a mesh with its compiled prefill and decode steps."""
+  """One model's parameters on a mesh with its compiled paged step."""
 
   def __init__(self, model_cfg: LlamaConfig, params, mesh: Mesh, rules: sharding.Rules,
-               cache_length: int):
+               cache_length: int, page_size: int = DEFAULT_PAGE_SIZE, quantize: str = "none"):
     if not isinstance(model_cfg, LlamaConfig) or not model_cfg.causal:
       raise ValueError(f"the KV-cache engine generates with causal decoder LMs (LlamaConfig), "
                        f"not {type(model_cfg).__name__}; classifiers use toolkit.predict")
     if cache_length < 2:
       raise RequestError(f"cache_length={cache_length} must be >= 2 (prompt + new tokens)")
+    if page_size < 1:
+      raise RequestError(f"page_size={page_size} must be >= 1 (positions per cache page)")
+    if quantize not in WEIGHT_FORMATS:
+      raise RequestError(f"quantize={quantize!r} is unknown; choose one of "
+                         f"{', '.join(WEIGHT_FORMATS)}")
     # A mixture of experts generates dropless whatever it trained with: capacity routing would
     # make a token's output depend on the other prompts in the batch and on the padding. XLA:CPU
     # lacks ragged_all_to_all; the ring computes the same outputs.
@@ -72,46 +119,51 @@ class Engine:
     model_cfg = dataclasses.replace(model_cfg, moe_dispatch="dropless", **(
         {"expert_exchange": "ring"} if on_cpu else {}))
     self.model_cfg, self.mesh, self.rules, self.cache_length = model_cfg, mesh, rules, cache_length
+    self.page_size, self.quantize = page_size, quantize
+    self.pages_per_row = -(-cache_length // page_size)
     layout = state_lib.layout(model_cfg, optax.identity(), rules, mesh)
     self.graphdef, self.report = layout.graphdef, layout.report
-    self.param_shardings = layout.shardings["params"]
     # Parameters that already sit in their shardings (restored) are not copied.
-    self.params = jax.device_put(params, self.param_shardings)
+    self.params = convert_weights(jax.device_put(params, layout.shardings["params"]), layout,
+                                  quantize, model_cfg.compute_dtype)
     batch_axes = [a for e in rules.activation_spec(("batch",), mesh) if e
                   for a in ((e,) if isinstance(e, str) else e)]
     self.batch_ways = int(np.prod([mesh.shape[a] for a in batch_axes]))
-    self.cache_sharding = NamedSharding(mesh, rules.activation_spec(("layers",) + CACHE_AXES, mesh))
+    self.cache_sharding = NamedSharding(mesh, rules.activation_spec(paged.CACHE_AXES, mesh))
     self.row_sharding = NamedSharding(mesh, rules.activation_spec(("batch",), mesh))
     self.traces: collections.Counter = collections.Counter()
     rows_out = (self.cache_sharding, self.row_sharding,
                 NamedSharding(mesh, rules.activation_spec(("batch", "vocab"), mesh)))
-    self._decode = jax.jit(self._decode_fn, donate_argnums=1, out_shardings=rows_out)
-    self._prefill = jax.jit(self._prefill_fn, donate_argnums=1, out_shardings=rows_out)
+    self._step = jax.jit(self._step_fn, donate_argnums=1, out_shardings=rows_out,
+                         static_argnames="chunks")
+    self._new_cache = jax.jit(lambda pages: init_paged_cache(self.model_cfg, pages, page_size),
+                              static_argnums=0, out_shardings=self.cache_sharding)
 
-  # --- the compiled steps --------------------------------------------------------------------
-  def _decode_fn(self, params, cache, tokens, positions, rows, token_index):
-    self.traces["decode", tokens.shape[0], cache["k"].shape[2]] += 1
-    return decode_step(self.graphdef, self.rules, self.mesh, params, cache, tokens, positions,
-                       rows, token_index)
-
-  def _prefill_fn(self, params, cache, tokens, lengths, slots, rows):
-    self.traces["prefill", tokens.shape[0], tokens.shape[1], cache["k"].shape[1]] += 1
-    with sharding.activation_rules(self.rules, self.mesh):
-      logits, kv = nnx.merge(self.graphdef, params).prefill(tokens, lengths)
-      first = sampling.sample(logits, rows, jnp.zeros_like(lengths))
-      # Padding rows carry slot == batch size: out of bounds, so mode="drop" skips them.
-      cache = {name: sharding.constrain(
-          cache[name].at[:, slots, :tokens.shape[1]].set(kv[name].astype(cache[name].dtype),
-                                                         mode="drop"),
-          ("layers",) + CACHE_AXES) for name in cache}
-    return cache, first, logits
+  def _step_fn(self, params, cache, tokens, positions, tables, counts, last, rows, token_index,
+               chunks):
+    self.traces["step", tuple(t.shape[0] for t in tables), chunks, cache["k"].shape[2]] += 1
+    return paged_step(self.graphdef, self.rules, self.mesh, params, cache, tokens, positions,
+                      paged.Rows(tuple(tables), tuple(counts), chunks), last, rows, token_index)
 
   # --- host-side calls -----------------------------------------------------------------------
-  def new_cache(self, batch_size: int):
-    self.check_batch_size(batch_size)
-    make = jax.jit(lambda: init_cache(self.model_cfg, batch_size, self.cache_length),
-                   out_shardings=self.cache_sharding)
-    return make()
+  def weight_bytes(self) -> int:
+    """Bytes of the parameters as served (int8 values and their scales when quantized)."""
+    return int(sum(x.nbytes for x in jax.tree.leaves(self.params)))
+
+  def describe_weights(self) -> str:
+    """One line for start-up: the weights' bytes as served against bfloat16."""
+    count = sum(int(np.prod(row.shape)) for row in self.report.rows)
+    served = self.weight_bytes()
+    label = "as restored" if self.quantize == "none" else self.quantize
+    return (f"weights {human_bytes(served)} ({label}), {served / (2 * count):.2f}x their "
+            f"{human_bytes(2 * count)} in bfloat16")
+
+  def new_cache(self, pages: int):
+    """An empty pool of `pages` pages (a multiple of the ways the mesh splits the batch)."""
+    if pages < self.batch_ways or pages % self.batch_ways:
+      raise RequestError(f"cache_pages={pages} must be a positive multiple of "
+                         f"{self.batch_ways}, the number of ways the mesh splits the batch")
+    return self._new_cache(pages)
 
   def check_request(self, prompt: np.ndarray, params: SamplingParams) -> None:
     """Raises RequestError naming what to fix when a request cannot run on this engine."""
@@ -132,284 +184,119 @@ class Engine:
           f"batch_size={batch_size} must be a positive multiple of {self.batch_ways}, the "
           f"number of ways the mesh splits the batch; use e.g. {self.batch_ways * 4}")
 
-  def _rows(self, values: dict[str, np.ndarray]):
-    return jax.device_put(values, self.row_sharding)
-
   def prefill_rows(self, count: int, batch_size: int) -> int:
-    """Rows of the prefill call for `count` new prompts: a power of two times the batch
-    ways (so few shapes get compiled), at most the batch size."""
+    """Rows of a step for `count` rows spread evenly over the devices: a power of two times
+    the batch ways (so few shapes get compiled), at most the batch size."""
     return min(batch_size, self.batch_ways * _next_power_of_two(-(-count // self.batch_ways)))
 
   def prompt_bucket(self, length: int) -> int:
     return min(self.cache_length, max(MIN_PROMPT_BUCKET, _next_power_of_two(length)))
 
-  def prefill(self, cache, prompts: Sequence[np.ndarray], slots: Sequence[int],
-              params: Sequence[SamplingParams], batch_size: int):
-    """Writes `prompts` into cache `slots`; returns (cache, first tokens (len(prompts),),
-    last-prompt-token logits (len(prompts), vocab), device arrays)."""
-    count = len(prompts)
-    rows = self.prefill_rows(count, batch_size)
-    bucket = self.prompt_bucket(max(len(p) for p in prompts))
-    tokens = np.zeros((rows, bucket), np.int32)
-    lengths = np.ones(rows, np.int32)
-    slot_ids = np.full(rows, batch_size, np.int32)
-    for i, prompt in enumerate(prompts):
-      tokens[i, :len(prompt)] = prompt
-      lengths[i] = len(prompt)
-      slot_ids[i] = slots[i]
-    row_params = list(params) + [SamplingParams()] * (rows - count)
-    cache, first, logits = self._prefill(self.params, cache, *self._rows(
-        (tokens, lengths, slot_ids)), self._rows(sampling.row_arrays(row_params)))
-    return cache, first, logits
-
-  def decode(self, cache, tokens: np.ndarray, positions: np.ndarray, rows: dict,
-             token_index: np.ndarray):
-    """One step for every slot; returns (cache, next tokens (batch,), logits (batch, vocab))."""
-    return self._decode(self.params, cache, *self._rows((tokens, positions)), self._rows(rows),
-                        self._rows(token_index))
-
-
-@dataclasses.dataclass
-class Result:
-  """A finished request. `tokens` excludes the prompt and any stop token."""
-  tokens: list[int]
-  finish_reason: str  # "length" | "stop" | "error"
-  prompt_tokens: int
-  latency_s: float
-  time_to_first_token_s: float
-  tag: Any = None
-  error: str | None = None
-
-
-@dataclasses.dataclass
-class Request:
-  prompt: np.ndarray  # int32 token ids, at least one
-  params: SamplingParams
-  on_done: Callable[[Result], None] | None = None
-  tag: Any = None
-  submitted: float = dataclasses.field(default_factory=time.perf_counter)
-
-
-@dataclasses.dataclass
-class _Active:
-  request: Request
-  tokens: list[int]
-  first_token_s: float
+  def step(self, cache, groups: Sequence[tuple[Sequence[RowWork], int, int]]):
+    """Runs groups of rows, each (rows, chunk, rows per device): at most `chunk` tokens per
+    row, at most `rows per device` rows on each block of the pool (the rest idle). Returns
+    (cache, next tokens (rows,), logits (rows, vocab), order): order[i] is the row of the
+    i-th RowWork given, counting through the groups in order. A row's next token is sampled
+    after its last token this step (for a prompt chunk that is not the prompt's end, it is
+    not the request's)."""
+    ways, width = self.batch_ways, self.pages_per_row
+    per_device = sum(k * chunk for _, chunk, k in groups)
+    tokens = np.zeros((ways, per_device), np.int32)
+    positions = np.zeros((ways, per_device), np.int32)
+    tables, counts, last, params, token_index, order = [], [], [], [], [], []
+    offset = 0
+    for items, chunk, k in groups:
+      table = np.zeros((ways * k, width), np.int32)
+      count = np.zeros(ways * k, np.int32)
+      first_row = len(last)
+      # Padding rows read their block's first token (count 0: they write nothing).
+      last.extend(i * per_device + offset + j * chunk for i in range(ways) for j in range(k))
+      params.extend([SamplingParams()] * (ways * k))
+      token_index.extend([0] * (ways * k))
+      used = [0] * ways
+      for item in items:
+        i, j = item.shard, used[item.shard]
+        used[item.shard] += 1
+        if j >= k or len(item.tokens) > chunk:
+          raise ValueError(f"row of {len(item.tokens)} tokens on device block {i} does not "
+                           f"fit {k} rows of {chunk} tokens")
+        row, at, n = i * k + j, offset + j * chunk, len(item.tokens)
+        tokens[i, at:at + n] = item.tokens
+        positions[i, at:at + chunk] = item.start  # padding: a position the row already has
+        positions[i, at:at + n] = item.start + np.arange(n)
+        table[row, :len(item.pages)] = item.pages
+        count[row] = n
+        last[first_row + row] = i * per_device + at + n - 1
+        params[first_row + row], token_index[first_row + row] = item.params, item.token_index
+        order.append(first_row + row)
+      tables.append(table)
+      counts.append(count)
+      offset += k * chunk
+    put = lambda x: jax.device_put(x, self.row_sharding)
+    cache, next_tokens, logits = self._step(
+        self.params, cache, put(tokens.reshape(-1)), put(positions.reshape(-1)),
+        tuple(put(t) for t in tables), tuple(put(c) for c in counts),
+        put(np.asarray(last, np.int32)), put(sampling.row_arrays(params)),
+        put(np.asarray(token_index, np.int32)), chunks=tuple(chunk for _, chunk, _ in groups))
+    return cache, next_tokens, logits, np.asarray(order)
 
 
-class Batcher:
-  """Continuous batching over `batch_size` cache slots. `submit` is thread-safe; `step` (one
-  admission + one decode step) runs on one thread, the one that owns the devices."""
-
-  def __init__(self, engine: Engine, batch_size: int, max_queue: int = 0):
-    engine.check_batch_size(batch_size)
-    self.engine, self.batch_size = engine, batch_size
-    self.cache = engine.new_cache(batch_size)
-    self.slots: list[_Active | None] = [None] * batch_size
-    self.queue: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
-    self._tokens = np.zeros(batch_size, np.int32)
-    self._positions = np.zeros(batch_size, np.int32)
-    self._token_index = np.zeros(batch_size, np.int32)
-    self._params = [SamplingParams()] * batch_size
-    self.counters = collections.Counter()
-    self.started = time.perf_counter()
-    # Steps that raised in a row, and the last one's error: /health reports a failing loop.
-    self.consecutive_step_errors, self.last_step_error = 0, ""
-
-  # --- admission -----------------------------------------------------------------------------
-  def check(self, request: Request) -> None:
-    """Raises RequestError for a request that can never run (call before `submit`)."""
-    self.engine.check_request(request.prompt, request.params)
-
-  def submit(self, request: Request) -> None:
-    """Queues a checked request; raises queue.Full when max_queue requests already wait."""
-    self.check(request)
-    self.queue.put_nowait(request)
-    self.counters["requests_submitted"] += 1
-
-  @property
-  def active(self) -> int:
-    return sum(slot is not None for slot in self.slots)
-
-  def _admit(self, wait_s: float) -> None:
-    free = [i for i, slot in enumerate(self.slots) if slot is None]
-    taken: list[Request] = []
-    while len(taken) < len(free):
-      try:
-        # Block only when nothing is running: a condition wait, not a sleep.
-        block = wait_s > 0 and not taken and len(free) == self.batch_size
-        taken.append(self.queue.get(timeout=wait_s) if block else self.queue.get_nowait())
-      except queue.Empty:
-        break
-    if not taken:
-      return
-    slots = free[:len(taken)]
-    try:
-      self.cache, first, _ = self.engine.prefill(
-          self.cache, [r.prompt for r in taken], slots, [r.params for r in taken],
-          self.batch_size)
-      first = np.asarray(first)
-    except Exception as e:  # pylint: disable=broad-except
-      # The taken requests hold no slot yet: answer them here, or they would wait forever.
-      now = time.perf_counter()
-      for request in taken:
-        self.counters["requests_failed"] += 1
-        if request.on_done is not None:
-          request.on_done(Result([], "error", len(request.prompt), now - request.submitted, 0.0,
-                                 request.tag, _describe(e)))
-      raise
-    now = time.perf_counter()
-    self.counters["prefill_calls"] += 1
-    for i, (slot, request) in enumerate(zip(slots, taken)):
-      active = _Active(request, [], now - request.submitted)
-      self.slots[slot] = active
-      self._positions[slot] = len(request.prompt)
-      self._token_index[slot] = 0
-      self._params[slot] = request.params
-      self._accept(slot, int(first[i]), now)
-
-  # --- decoding ------------------------------------------------------------------------------
-  def _accept(self, slot: int, token: int, now: float) -> None:
-    """Appends `token` to the slot's request, or finishes the request."""
-    active = self.slots[slot]
-    params = active.request.params
-    self.counters["tokens_generated"] += 1
-    if token in params.stop_tokens:
-      self._finish(slot, "stop", now)
-      return
-    active.tokens.append(token)
-    if len(active.tokens) >= params.max_tokens:
-      self._finish(slot, "length", now)
-      return
-    self._tokens[slot] = token
-    self._token_index[slot] += 1
-
-  def _finish(self, slot: int, reason: str, now: float, error: str | None = None) -> None:
-    active = self.slots[slot]
-    self.slots[slot] = None
-    self._positions[slot] = 0
-    self._tokens[slot] = 0
-    self._params[slot] = SamplingParams()
-    request = active.request
-    self.counters["requests_finished" if error is None else "requests_failed"] += 1
-    result = Result(tokens=active.tokens, finish_reason=reason, prompt_tokens=len(request.prompt),
-                    latency_s=now - request.submitted,
-                    time_to_first_token_s=active.first_token_s, tag=request.tag, error=error)
-    if request.on_done is not None:
-      request.on_done(result)
-
-  def step(self, wait_s: float = 0.0) -> bool:
-    """Admits waiting requests into free slots, then advances every busy slot one token.
-    With nothing running, waits up to `wait_s` for a request. Returns whether any request is
-    running or waiting afterwards."""
-    try:
-      self._admit(wait_s)
-      if self.active:
-        self.cache, next_tokens, _ = self.engine.decode(
-            self.cache, self._tokens, self._positions, sampling.row_arrays(self._params),
-            self._token_index)
-        next_tokens = np.asarray(next_tokens)
-        now = time.perf_counter()
-        self.counters["decode_steps"] += 1
-        self.counters["busy_slot_steps"] += self.active
-        for slot, active in enumerate(self.slots):
-          if active is not None:
-            self._positions[slot] += 1
-            self._accept(slot, int(next_tokens[slot]), now)
-    except Exception as e:  # pylint: disable=broad-except
-      # Fail what is in flight, keep the batcher usable: a fresh cache, all slots free.
-      message = _describe(e)
-      now = time.perf_counter()
-      for slot, active in enumerate(self.slots):
-        if active is not None:
-          self._finish(slot, "error", now, error=message)
-      self.cache = self.engine.new_cache(self.batch_size)
-      raise
-    return bool(self.active or not self.queue.empty())
-
-  def warmup(self, log: Callable[[str], None] = lambda _: None) -> int:
-    """Compiles decode and every (rows, prompt length) prefill bucket, so that no request
-    waits for a compile; returns how many shapes that was, and logs one line per group of
-    shapes (a row count's prompt lengths, then decode) as it goes. The prefills hold only
-    padding rows, which write nothing; the decode step writes only to free slots."""
-    engine, size = self.engine, self.batch_size
-    rows = sorted({engine.prefill_rows(count, size) for count in range(1, size + 1)})
-    lengths, length = [], MIN_PROMPT_BUCKET
-    while not lengths or lengths[-1] < engine.cache_length:
-      lengths.append(engine.prompt_bucket(length))
-      length *= 2
-    total, done = len(rows) * len(lengths) + 1, 0
-    for n in rows:
-      start = time.perf_counter()
-      for bucket in lengths:
-        self.cache, first, _ = engine._prefill(engine.params, self.cache, *engine._rows((
-            np.zeros((n, bucket), np.int32), np.ones(n, np.int32), np.full(n, size, np.int32))),
-            engine._rows(sampling.row_arrays([SamplingParams()] * n)))
-      np.asarray(first)
-      done += len(lengths)
-      log(f"warm-up {done}/{total} shapes: prefill of {n} row(s) at {len(lengths)} prompt "
-          f"lengths ({lengths[0]}-{lengths[-1]}) in {time.perf_counter() - start:.1f} s")
-    start = time.perf_counter()
-    zeros = np.zeros(size, np.int32)
-    self.cache, first, _ = engine.decode(self.cache, zeros, zeros,
-                                         sampling.row_arrays([SamplingParams()] * size), zeros)
-    np.asarray(first)  # wait for it
-    log(f"warm-up {total}/{total} shapes: decode of {size} slots in "
-        f"{time.perf_counter() - start:.1f} s")
-    return total
-
-  def run(self, stop: threading.Event, wait_s: float = 0.05,
-          log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
-          ) -> None:
-    """Steps until `stop` is set (the serving loop's thread). A step that raises has already
-    answered its requests with the error; it is counted (`step_errors`), logged, and the loop
-    goes on; `consecutive_step_errors` says how many failed with no work done in between
-    (an idle step, with nothing to run, neither fails nor resets it)."""
-    while not stop.is_set():
-      worked = self.counters["decode_steps"] + self.counters["prefill_calls"]
-      try:
-        self.step(wait_s)
-        if self.counters["decode_steps"] + self.counters["prefill_calls"] > worked:
-          self.consecutive_step_errors = 0
-      except Exception as e:  # pylint: disable=broad-except
-        self.counters["step_errors"] += 1
-        self.consecutive_step_errors += 1
-        self.last_step_error = _describe(e)
-        log(f"error: decode step failed ({self.consecutive_step_errors} in a row, "
-            f"{self.counters['step_errors']} in all): {self.last_step_error}")
+def convert_weights(params, layout: state_lib.StateLayout, quantize: str, compute_dtype):
+  """`params` as served: unchanged ("none"), cast to bfloat16, or with the layer stack's
+  matrices as Int8Weight (models/quantization.py), each array in its shardings (an int8
+  weight's scales split like the weight along the dimensions they keep)."""
+  if quantize == "none":
+    return params
+  convert, shardings = weight_format(layout, quantize, compute_dtype)
+  return jax.jit(convert, out_shardings=shardings)(params)
 
 
-def _describe(error: Exception) -> str:
-  text = str(error).strip()
-  return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+def served_abstract(layout: state_lib.StateLayout, quantize: str, compute_dtype=jnp.bfloat16):
+  """The served parameters' ShapeDtypeStructs with their shardings (for ahead-of-time
+  compiles: nothing is allocated)."""
+  if quantize == "none":
+    return layout.abstract["params"]
+  convert, shardings = weight_format(layout, quantize, compute_dtype)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      jax.eval_shape(convert, layout.abstract["params"]), shardings)
 
 
-def generate(engine: Engine, prompts: Sequence[np.ndarray], params: Sequence[SamplingParams],
-             batch_size: int, progress: Callable[[int, int, int], None] | None = None
-             ) -> list[Result]:
-  """Generates for every prompt (offline batch inference) with continuous batching over
-  `batch_size` slots, or fewer when there are fewer prompts. Results are in prompt order.
-  `progress(done, total, tokens)` is called after every step."""
-  if not prompts:
-    return []
-  batch_size = min(batch_size, engine.prefill_rows(len(prompts), batch_size))
-  batcher = Batcher(engine, batch_size)
-  results: list[Result | None] = [None] * len(prompts)
-  done = [0]
+def weight_format(layout: state_lib.StateLayout, quantize: str, compute_dtype=jnp.bfloat16):
+  """(the function from restored to served parameters, the served parameters' shardings).
+  int8 keeps the parameters it does not quantize in the compute dtype, which is what the
+  model casts them to when it uses them."""
+  if quantize == "bfloat16":
+    return (lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p),
+            layout.shardings["params"])
+  plan = {row.path: quantization.reduced_dims(row.path, row.logical_axes)
+          for row in layout.report.rows}
 
-  def on_done(result: Result) -> None:
-    results[result.tag] = result
-    done[0] += 1
+  def scale_sharding(path: str, sharding_: NamedSharding):
+    if plan[path] is None:
+      return sharding_
+    spec = list(sharding_.spec) + [None] * (len(plan_shapes[path]) - len(sharding_.spec))
+    scale_spec = [None if d in plan[path] else e for d, e in enumerate(spec)]
+    while scale_spec and scale_spec[-1] is None:  # the rules' spelling: no trailing Nones
+      scale_spec.pop()
+    scale_spec = PartitionSpec(*scale_spec)
+    return quantization.Int8Weight(sharding_, NamedSharding(sharding_.mesh, scale_spec))
 
-  requests = [Request(np.asarray(p, np.int32), q, on_done, tag=i)
-              for i, (p, q) in enumerate(zip(prompts, params))]
-  for request in requests:
-    batcher.check(request)
-  for request in requests:
-    batcher.queue.put(request)
-  while batcher.step():
-    if progress is not None:
-      progress(done[0], len(prompts), batcher.counters["tokens_generated"])
-  if progress is not None:
-    progress(done[0], len(prompts), batcher.counters["tokens_generated"])
-  return results  # type: ignore[return-value]
+  plan_shapes = {row.path: row.shape for row in layout.report.rows}
+  convert = lambda tree: _map_paths(lambda path, x: x.astype(compute_dtype) if plan[path] is None
+                                    else quantization.quantize(x, plan[path]), tree)
+  return convert, _map_paths(scale_sharding, layout.shardings["params"])
+
+
+def _map_paths(fn, tree: dict, prefix: str = "") -> dict:
+  """`tree` (nested dicts) with each leaf x replaced by fn(its "/"-joined path, x)."""
+  return {key: _map_paths(fn, value, f"{prefix}{key}/") if isinstance(value, dict)
+          else fn(f"{prefix}{key}", value) for key, value in tree.items()}
+
+
+def human_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  raise AssertionError
+

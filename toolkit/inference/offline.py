@@ -54,10 +54,12 @@ class Progress:
 def run(config: ml_collections.ConfigDict, checkpoint_path: str, *, prompt: str | None = None,
         prompts_file: str | None = None, output: str | None = None,
         defaults: SamplingParams = SamplingParams(), batch_size: int = 16,
-        cache_length: int = DEFAULT_CACHE_LENGTH, tokenizer: str = BYTES) -> list[dict]:
+        cache_length: int = DEFAULT_CACHE_LENGTH, tokenizer: str = BYTES,
+        options: engine_lib.Options = engine_lib.Options()) -> list[dict]:
   """Generates for `prompt` or every line of `prompts_file`; writes `output` if given and
   returns the output records. Text goes through `tokenizer` ('bytes' or a tokenizer.json /
-  Hugging Face folder, whose EOS ids also end every request)."""
+  Hugging Face folder, whose EOS ids also end every request); `options` say how the cache and
+  the weights are held."""
   if (prompt is None) == (prompts_file is None):
     raise ConfigError("give exactly one of --prompt or --prompts_file")
   if prompt is not None and (problem := text.utf8_problem(prompt)) is not None:
@@ -83,9 +85,10 @@ def run(config: ml_collections.ConfigDict, checkpoint_path: str, *, prompt: str 
     requests, prompts, sampling_params = [{}], [codec.encode(prompt)], [defaults]
   params, model_cfg, mesh, rules, step = restore_params(config, checkpoint_path)
   try:
-    engine = engine_lib.Engine(model_cfg, params, mesh, rules, cache_length)
+    engine = options.engine(model_cfg, params, mesh, rules, cache_length)
     asked, batch_size = batch_size, min(batch_size, engine.prefill_rows(len(prompts), batch_size))
     engine.check_batch_size(batch_size)
+    engine_lib.Batcher.check_options(engine, batch_size, **options.batcher())
     for i, (p, q) in enumerate(zip(prompts, sampling_params)):
       try:
         engine.check_request(p, q)
@@ -97,9 +100,10 @@ def run(config: ml_collections.ConfigDict, checkpoint_path: str, *, prompt: str 
   capped = (f" (--batch_size={asked} capped: {len(prompts)} prompt(s) fill {batch_size} slots)"
             if batch_size < asked else "")
   print(f"restored step {step}; mesh {dict(mesh.shape)}, rules {rules.name}; {len(prompts)} "
-        f"prompt(s), batch {batch_size}{capped}, cache length {cache_length}", file=sys.stderr,
-        flush=True)
-  results = engine_lib.generate(engine, prompts, sampling_params, batch_size, Progress())
+        f"prompt(s), batch {batch_size}{capped}, cache length {cache_length}; "
+        f"{engine.describe_weights()}", file=sys.stderr, flush=True)
+  results = engine_lib.generate(engine, prompts, sampling_params, batch_size, Progress(),
+                                **options.batcher())
   records = [result_record(r, q, codec) for r, q in zip(results, requests)]
   if output and jax.process_index() == 0:
     with open(output, "w", encoding="utf-8") as f:

@@ -59,6 +59,8 @@ def parse_json(data: str | bytes):
     raise RequestError(f"is not valid JSON: not UTF-8 ({e.reason} at byte {e.start})") from None
   except RecursionError:  # deeper than the parser's own stack allows
     raise RequestError(_TOO_DEEP) from None
+  except ValueError as e:  # an integer literal beyond Python's 4300 digits
+    raise RequestError(f"is refused: {' '.join(str(e).split())[:120]}") from None
   if _depth(value) > MAX_JSON_DEPTH:
     raise RequestError(_TOO_DEEP)
   return value

@@ -1,13 +1,19 @@
 """Parameters for inference: a checkpoint's latest step restored straight into the shardings
-that a config's mesh and rules give them, without the optimizer state."""
+that a config's mesh and rules give them, without the optimizer state.
+
+Only the model and its shardings are built (the config validated, the mesh, the rules, the
+abstract parameters): no optimizer, train step or data pipeline, which `training.build` would
+also make."""
 from __future__ import annotations
 
 import ml_collections
+import optax
 
 from toolkit.errors import ConfigError
 from toolkit.training import checkpoint
+from toolkit.training import config as config_lib
+from toolkit.training import state as state_lib
 from toolkit.training.checkpoint import open_latest
-from toolkit.training import setup as setup_lib
 
 
 def restore_params(config: ml_collections.ConfigDict, checkpoint_path: str, devices=None):
@@ -15,26 +21,28 @@ def restore_params(config: ml_collections.ConfigDict, checkpoint_path: str, devi
   that `config`'s mesh and rules give them. Returns (params, model config, mesh, rules, step)."""
   manager, step = open_latest(checkpoint_path)
   try:
-    setup = setup_lib.build(config, devices)
-    _refuse_split_cache(setup)
-    checkpoint.check_compatible(manager.saved_config(step), setup.spec.model,
+    spec = config_lib.resolve(config, devices)
+    _refuse_split_cache(spec)
+    checkpoint.check_compatible(manager.saved_config(step), spec.model,
                                 f"{manager.directory} step {step}")
+    # The parameters' abstract values and shardings; optax.identity() has no state, so the
+    # layout holds nothing for an optimizer.
+    layout = state_lib.layout(spec.model, optax.identity(), spec.rules, spec.mesh)
     # Parameters only: the optimizer moments (2x the parameters for AdamW) are never read.
-    params = manager.restore_params(step, setup.layout.abstract["params"])
+    params = manager.restore_params(step, layout.abstract["params"])
   finally:
     manager.close()
-  return params, setup.spec.model, setup.spec.mesh, setup.spec.rules, step
+  return params, spec.model, spec.mesh, spec.rules, step
 
 
-def _refuse_split_cache(setup: setup_lib.Setup) -> None:
+def _refuse_split_cache(spec: config_lib.RunSpec) -> None:
   """Decoding reads a KV cache laid out like the activations: with token positions split over
   devices (context parallelism) every new token would gather the whole cache, and layers
   split into pipeline stages would run one token through every stage in turn. Refused."""
-  spec = setup.spec
   for logical, what in (("length", "context parallelism"), ("layers", "pipeline stages")):
     axes = spec.rules.activation_spec((logical,), spec.mesh)
     axes = [a for e in axes if e for a in ((e,) if isinstance(e, str) else e)]
-    if setup.task.name == "lm" and any(spec.mesh.shape[a] > 1 for a in axes):
+    if spec.task == "lm" and any(spec.mesh.shape[a] > 1 for a in axes):
       split = "x".join(f"{a}={spec.mesh.shape[a]}" for a in axes)
       raise ConfigError(f"decoding with a KV cache split over {split} ({what}) is not "
                         f"supported; serve the checkpoint on a mesh without that axis, e.g. "

@@ -103,7 +103,14 @@ def sample(logits: jax.Array, rows: dict[str, jax.Array], token_index: jax.Array
   Temperature first, then top-k, then top-p over what top-k kept (the smallest set of the most
   likely tokens holding at least top_p of the mass, the mass renormalized over the top k when
   top-k is on). Rows with neither draw from the whole vocabulary; rows with temperature 0
-  take the argmax."""
+  take the argmax. When every row is greedy the draw is skipped (a `cond`): its top-k and
+  random numbers over the whole vocabulary are work a greedy step does not need."""
+  greedy = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jax.lax.cond(jnp.any(rows["temperature"] > 0),
+                      lambda: _draw(logits, rows, token_index), greedy)
+
+
+def _draw(logits: jax.Array, rows: dict[str, jax.Array], token_index: jax.Array) -> jax.Array:
   vocab = logits.shape[-1]
   count = min(CANDIDATES, vocab)
   temperature = rows["temperature"]

@@ -7,16 +7,22 @@ Endpoints:
   POST /generate  {"prompt": text | "tokens": [ids], max_tokens, temperature, top_k, top_p,
                    seed, stop_tokens} -> {"completion", "tokens", "finish_reason",
                    "prompt_tokens", "completion_tokens", "latency_s", "time_to_first_token_s"}
+  GET /v1/models, POST /v1/completions, POST /v1/chat/completions: OpenAI's API, streaming
+                  included (toolkit/inference/openai_api.py)
   GET  /health    200 {"status": "ok", ...} while the decode loop runs and not every one of
                   its last UNHEALTHY_AFTER_STEP_ERRORS steps raised, else 503
-  GET  /metrics   Prometheus text: requests, tokens, steps, queue depth, slot use, latency
+  GET  /metrics   Prometheus text: requests, cancellations, tokens, steps, queue depth, slot
+                  use, and histograms of time to first token, inter-token latency, time per
+                  output token and end-to-end latency (toolkit/inference/latency.py)
 
-Threads: aiohttp's event loop parses requests and waits on futures; one batcher thread owns
-the devices and steps the decode batch, admitting queued requests at every step. Bad requests
-get a 4xx with an `error` message and never reach the batcher: a body over 1 MiB (413), JSON
-that does not parse or nests deeper than 32 levels, prompt text that is not valid UTF-8
-(a lone surrogate escape), token ids outside the vocabulary, sampling fields out of range
-(400). tests/toolkit/inference/test_serve.py fuzzes it with a few hundred such requests.
+Threads: aiohttp's event loop parses requests and waits on the batcher's events; one batcher
+thread owns the devices and steps the decode batch, admitting queued requests at every step.
+A client that disconnects before its answer has its request cancelled (aiohttp cancels the
+handler; the batcher frees the slot at its next step). Bad requests get a 4xx with an `error`
+message and never reach the batcher: a body over 1 MiB (413), JSON that does not parse or
+nests deeper than 32 levels, prompt text that is not valid UTF-8 (a lone surrogate escape),
+token ids outside the vocabulary, sampling fields out of range (400).
+tests/toolkit/inference/test_serve.py fuzzes it with a few hundred such requests.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import asyncio
 import collections
 import logging
 import queue
+import random
 import threading
 import time
 
@@ -31,14 +38,19 @@ import numpy as np
 from aiohttp import http_exceptions, web
 
 from toolkit.inference import engine as engine_lib
+from toolkit.inference import openai_protocol
 from toolkit.inference.codec import BYTE_LEVEL, Codec
-from toolkit.inference.requests import parse_json, parse_prompt, result_record
+from toolkit.inference.http_request import (MAX_BODY_BYTES, BodyError, PastDeadline,
+                                            Submissions, read_json)
+from toolkit.inference.latency import Histograms
+from toolkit.inference.openai_api import OpenAIRoutes
+from toolkit.inference.requests import parse_prompt, result_record
 from toolkit.inference.sampling import RequestError, SamplingParams
 
-MAX_BODY_BYTES = 1 << 20
-LATENCY_WINDOW = 2048  # recent requests the latency quantiles in /metrics cover
+__all__ = ["MAX_BODY_BYTES", "Server", "Service", "UNHEALTHY_AFTER_STEP_ERRORS"]
 # /health answers 503 once this many decode steps in a row raised (one can be a bad request).
 UNHEALTHY_AFTER_STEP_ERRORS = 3
+REJECTED_STATUSES = (400, 404, 405, 413, 429, 503)
 
 
 def _client_mistakes_without_tracebacks(record: logging.LogRecord) -> bool:
@@ -58,71 +70,80 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class Service:
-  """The request handlers; `batcher` is stepped by another thread."""
+  """The request handlers; `batcher` is stepped by another thread. `model_name` is the name
+  the OpenAI routes serve; `chat_template` a Jinja template (text or .jinja file) replacing
+  the tokenizer folder's (toolkit/inference/openai_protocol.py: chat_encoder)."""
 
   def __init__(self, batcher: engine_lib.Batcher, defaults: SamplingParams,
-               request_timeout_s: float, info: dict, codec: Codec = BYTE_LEVEL):
+               request_timeout_s: float, info: dict, codec: Codec = BYTE_LEVEL,
+               model_name: str = "meshkit", chat_template: str = ""):
     self.batcher, self.defaults, self.request_timeout_s = batcher, defaults, request_timeout_s
     self.codec = codec  # text in and out; its EOS ids end every request
     self.info = info
     self.counters = collections.Counter()
-    self.latencies: collections.deque = collections.deque(maxlen=LATENCY_WINDOW)
-    self.first_token: collections.deque = collections.deque(maxlen=LATENCY_WINDOW)
+    self.histograms = Histograms()
     self.loop_alive = lambda: True
     self.started = time.time()
+    encode_chat, self.chat_template = openai_protocol.chat_encoder(codec, chat_template)
+    seeds = random.Random()  # seeded from the OS: requests without a seed differ
+    self.openai = OpenAIRoutes(self, openai_protocol.ModelContext(
+        name=model_name, vocab_size=batcher.engine.model_cfg.vocab_size,
+        max_model_len=batcher.engine.cache_length, defaults=defaults, codec=codec,
+        encode_chat=encode_chat, draw_seed=lambda: seeds.getrandbits(32)))
 
   def app(self) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app.add_routes([web.post("/generate", self.generate), web.get("/health", self.health),
                     web.get("/metrics", self.metrics)])
+    self.openai.add_to(app)
     return app
 
   def _reject(self, status: int, message: str) -> web.Response:
     self.counters[f"rejected_{status}"] += 1
     return _error(status, message)
 
+  def _parse_generate(self, body) -> tuple[np.ndarray, SamplingParams]:
+    vocab_size = self.batcher.engine.model_cfg.vocab_size
+    prompt = parse_prompt(body, vocab_size, self.codec)
+    fields = {k: v for k, v in body.items() if k not in ("prompt", "tokens", "id")}
+    params = self.codec.stop_at_eos(SamplingParams.from_dict(fields, vocab_size,
+                                                             self.defaults))
+    self.batcher.engine.check_request(prompt, params)
+    return prompt, params
+
   async def generate(self, request: web.Request) -> web.Response:
     try:
-      raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-      return self._reject(413, f"the body is larger than {MAX_BODY_BYTES} bytes; send one "
-                               f"request per call")
-    except web.RequestPayloadError as e:  # e.g. a body that does not decode as its encoding
-      reason = " ".join(str(e).split()).removeprefix("400, message: ")
-      return self._reject(400, f"the body could not be read ({reason})")
-    try:
-      body = parse_json(raw)
-    except RequestError as e:
-      return self._reject(400, f"the body {e}")
-    try:
-      prompt = parse_prompt(body, self.batcher.engine.model_cfg.vocab_size, self.codec)
-      fields = {k: v for k, v in body.items() if k not in ("prompt", "tokens", "id")}
-      params = self.codec.stop_at_eos(SamplingParams.from_dict(
-          fields, self.batcher.engine.model_cfg.vocab_size, self.defaults))
-      self.batcher.engine.check_request(prompt, params)
+      body = await read_json(request)
+      prompt, params = self._parse_generate(body)
+    except BodyError as e:
+      return self._reject(e.status, e.message)
     except RequestError as e:
       return self._reject(400, str(e))
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-
-    def on_done(result: engine_lib.Result) -> None:  # on the batcher thread
-      loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
-
+    submissions = Submissions(self.batcher, [prompt], [params], live=False)
     try:
-      self.batcher.submit(engine_lib.Request(np.asarray(prompt, np.int32), params, on_done))
+      submissions.submit()
     except queue.Full:
       return self._reject(503, f"the queue is full ({self.batcher.queue.maxsize} requests "
                                f"waiting); retry later")
+    except RequestError as e:
+      return self._reject(400, str(e))
     try:
-      result = await asyncio.wait_for(asyncio.shield(done), self.request_timeout_s)
-    except asyncio.TimeoutError:
+      async for _ in submissions.events(time.monotonic() + self.request_timeout_s):
+        pass
+    except PastDeadline:
       self.counters["timeouts"] += 1
       return _error(504, f"no result within {self.request_timeout_s:.0f} s; the server is "
                          f"overloaded or stuck")
+    except asyncio.CancelledError:  # the client went away (aiohttp's handler cancellation)
+      self.counters["client_disconnects"] += 1
+      raise
+    finally:
+      submissions.cancel_all()  # nothing once it ended
+    result = submissions.results[0]
     if result.error is not None:
       return _error(500, f"generation failed: {result.error}")
-    self.latencies.append(result.latency_s)
-    self.first_token.append(result.time_to_first_token_s)
+    self.histograms.observe(submissions.requests[0].submitted, submissions.token_times[0],
+                            time.perf_counter())
     record = result_record(result, body, self.codec)
     record.update(latency_s=round(result.latency_s, 6),
                   time_to_first_token_s=round(result.time_to_first_token_s, 6))
@@ -159,7 +180,13 @@ class Service:
     add("requests_finished_total", "counter", "Requests answered.", c["requests_finished"])
     add("requests_failed_total", "counter", "Requests that failed in generation.",
         c["requests_failed"])
-    for status in (400, 413, 503):
+    add("requests_cancelled_total", "counter", "Requests cancelled before their end: the client "
+        "disconnected, or a stop string ended them.", c["requests_cancelled"])
+    add("client_disconnects_total", "counter", "HTTP requests whose client went away before "
+        "the answer (their requests are cancelled).", self.counters["client_disconnects"])
+    add("request_timeouts_total", "counter", "HTTP requests answered 504 past "
+        "--request_timeout.", self.counters["timeouts"])
+    for status in REJECTED_STATUSES:
       add("requests_rejected_total", "counter", "Requests refused before queueing.",
           self.counters[f"rejected_{status}"], f'{{status="{status}"}}')
     add("step_errors_total", "counter", "Decode-loop steps that raised (their requests got the "
@@ -174,13 +201,8 @@ class Service:
         f"{c['busy_slot_steps'] / (steps * b.batch_size):.4f}" if steps else 0)
     add("compiled_shapes", "gauge", "Distinct prefill/decode shapes traced.",
         len(b.engine.traces))
-    for name, window in (("latency_seconds", self.latencies),
-                         ("time_to_first_token_seconds", self.first_token)):
-      for q in (0.5, 0.9, 0.99):
-        value = float(np.quantile(list(window), q)) if window else float("nan")
-        add(name, "summary", f"Over the last {LATENCY_WINDOW} requests.", f"{value:.6f}",
-            f'{{quantile="{q}"}}')
     add("uptime_seconds", "gauge", "Seconds since start.", f"{time.time() - self.started:.1f}")
+    lines.append(self.histograms.exposition().rstrip("\n"))
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
@@ -190,9 +212,11 @@ class Server:
 
   def __init__(self, batcher: engine_lib.Batcher, defaults: SamplingParams = SamplingParams(),
                host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float = 600.0,
-               info: dict | None = None, codec: Codec = BYTE_LEVEL):
+               info: dict | None = None, codec: Codec = BYTE_LEVEL, model_name: str = "meshkit",
+               chat_template: str = ""):
     self.batcher, self.host, self.port = batcher, host, port
-    self.service = Service(batcher, defaults, request_timeout_s, info or {}, codec)
+    self.service = Service(batcher, defaults, request_timeout_s, info or {}, codec, model_name,
+                           chat_template)
     self._stop = threading.Event()
     self._decode_thread = threading.Thread(target=batcher.run, args=(self._stop,),
                                            name="decode-loop", daemon=True)
@@ -210,7 +234,10 @@ class Server:
     self._http_thread.start()
 
     async def listen():
-      self._runner = web.AppRunner(self.service.app(), access_log=None)
+      # handler_cancellation: a handler whose client disconnects is cancelled, and cancels
+      # its engine requests (aiohttp leaves handlers running by default since 3.9).
+      self._runner = web.AppRunner(self.service.app(), access_log=None,
+                                   handler_cancellation=True)
       await self._runner.setup()
       site = web.TCPSite(self._runner, self.host, self.port)
       await site.start()

@@ -47,19 +47,23 @@ def tokens_of(results):
 def test_greedy_sharded_equals_unsharded_and_alone_equals_batched(params, engine):
   prompts, settings = prompts_and_params(10, max_length=30)  # two prompt buckets
   sharded = make_engine(params, "fsdp:4,tensor:2", "fsdp_tp", devices=8)
-  # The cache is really laid out by the rules: batch over fsdp, kv_heads over tensor.
-  assert sharded.cache_sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", None, "tensor")
+  # The cache is really laid out by the rules: pages over fsdp like the batch, kv_heads over
+  # tensor.
+  assert sharded.cache_sharding.spec == jax.sharding.PartitionSpec(None, "tensor", "fsdp")
   batched = tokens_of(engine_lib.generate(engine, prompts, settings, batch_size=4))
   assert batched == tokens_of(engine_lib.generate(sharded, prompts, settings, batch_size=8))
   alone = [engine_lib.generate(engine, [p], [s], batch_size=1)[0].tokens
            for p, s in zip(prompts, settings)]
   assert batched == alone
   assert [len(t) for t in batched] == [s.max_tokens for s in settings]
-  # Every shape was traced (compiled) exactly once, though generate ran 11 times; decode once
-  # per (batch size, cache length).
+  # Every shape was traced (compiled) exactly once, though generate ran 11 times: a step per
+  # (rows per group, tokens per row, pages in the pool); decoding has one token per row, and
+  # a pool holds batch_size x 4 pages (cache 64 in pages of 16).
   assert set(engine.traces.values()) == {1} and set(sharded.traces.values()) == {1}
-  assert {("decode", 4, 64), ("decode", 1, 64)} <= set(engine.traces)
-  assert {k for k in sharded.traces if k[0] == "decode"} == {("decode", 8, 64)}
+  assert {("step", (4,), (1,), 16), ("step", (1,), (1,), 4)} <= set(engine.traces)
+  # 8 places over 4 devices: 1 or 2 decode rows per device.
+  assert {k for k in sharded.traces if k[2] == (1,)} <= {("step", (4,), (1,), 32),
+                                                        ("step", (8,), (1,), 32)}
 
 
 def test_greedy_tokens_equal_recomputing_the_full_forward_pass(params, engine):
@@ -124,18 +128,18 @@ def test_a_failing_step_answers_its_requests_and_the_batcher_goes_on(engine, mon
   batcher = engine_lib.Batcher(engine, batch_size=2)
   results = []
   prompt = np.arange(3, dtype=np.int32)
-  real_decode = engine.decode
+  real_step = engine.step
 
   def broken(*args, **kwargs):
     raise RuntimeError("device lost")
 
-  monkeypatch.setattr(engine, "decode", broken)
+  monkeypatch.setattr(engine, "step", broken)
   batcher.submit(engine_lib.Request(prompt, SamplingParams(max_tokens=4), results.append))
   with pytest.raises(RuntimeError, match="device lost"):
     batcher.step()
   assert results[0].finish_reason == "error" and "device lost" in results[0].error
-  assert batcher.active == 0
-  monkeypatch.setattr(engine, "decode", real_decode)
+  assert batcher.active == 0 and batcher.page_stats()["in_use"] == 0
+  monkeypatch.setattr(engine, "step", real_step)
   batcher.submit(engine_lib.Request(prompt, SamplingParams(max_tokens=4), results.append))
   while batcher.step():
     pass

@@ -1,5 +1,8 @@
 """The HTTP server under load: 200 requests from 16 concurrent clients (scripts/load_test.py),
-none lost or mixed up, while bad requests get a 4xx and the server keeps serving."""
+none lost or mixed up, while bad requests get a 4xx and the server keeps serving; a fuzz run
+of malformed requests to /generate and the OpenAI routes (test_openai_api.py has the rest of
+the OpenAI routes' tests)."""
+import collections
 import json
 import pathlib
 import subprocess
@@ -126,7 +129,8 @@ def test_health_and_metrics(server):
   assert values["meshkit_tokens_generated_total"] >= 2
   assert values["meshkit_active_requests"] == 0
   assert 0 < values["meshkit_slot_utilization"] <= 1
-  assert np.isfinite(values['meshkit_latency_seconds{quantile="0.99"}'])
+  assert values["meshkit_e2e_request_latency_seconds_count"] >= 1
+  assert np.isfinite(values["meshkit_time_to_first_token_seconds_sum"])
 
 
 def test_port_in_use_is_a_clear_error(server):
@@ -147,7 +151,7 @@ def test_command_line_mistakes_are_one_error_line(tmp_path):
 
 
 class _FailingEngine:
-  """The real engine, except that every prefill raises (say the device went away)."""
+  """The real engine, except that every step raises (say the device went away)."""
 
   def __init__(self, engine):
     self._engine = engine
@@ -155,7 +159,7 @@ class _FailingEngine:
   def __getattr__(self, name):
     return getattr(self._engine, name)
 
-  def prefill(self, *args, **kwargs):
+  def step(self, *args, **kwargs):
     raise RuntimeError("device lost")
 
 
@@ -190,8 +194,8 @@ def test_failing_steps_are_logged_exported_and_make_health_fail(server, capfd):
 
 # --- fuzzing: a few hundred malformed requests, each a 4xx, never a 5xx or a traceback --------
 
-FUZZ_REQUESTS = 300
-FUZZ_SECONDS = 240  # the whole fuzz run, valid requests included
+FUZZ_REQUESTS = 500  # 3 in 5 to /generate, the rest to the OpenAI routes
+FUZZ_SECONDS = 300  # the whole fuzz run, valid requests included
 VALID_EVERY = 10    # a valid request after every 10 malformed ones
 
 _BAD_VALUES = {  # field -> values that are each wrong for it
@@ -208,12 +212,52 @@ _BAD_VALUES = {  # field -> values that are each wrong for it
 # Literals that are not valid in every position: inserted as raw JSON text.
 _RAW_VALUES = {"temperature": ["NaN", "Infinity", "-Infinity", "1e999"],
                "top_p": ["NaN", "1e999"], "max_tokens": ["1e999", "-1e999"]}
+# The OpenAI routes' fields -> values that are each wrong for them (toolkit/inference/
+# openai_protocol.py); "stream_options" values go with "stream": true.
+_OPENAI_BAD = {
+    "model": [7, None, "gpt-4", "", ["meshkit"]],
+    "max_tokens": [0, -1, 1.5, "4", True, 10**30, 2**63, 64, [4]],
+    "temperature": [-1, 2.5, "hot", True, [1], -0.0001],
+    "top_p": [0, -0.1, 1.5, "1", True],
+    "top_k": [-1, 257, 1.5, "3"],
+    "n": [0, -1, 65, 1.5, "2", True, 10**9],
+    "seed": [-1, 2**32, 1.5, "0", True],
+    "stop": ["", [""], ["a"] * 5, 7, [7], {"a": 1}, ["x" * 300], "\ud800"],
+    "stop_token_ids": [[256], [-1], "1", [1.5], list(range(9)), [True]],
+    "stream": ["yes", 1, [True]],
+    "stream_options": [{"include_usage": "yes"}, {"bogus": 1}, "x", [1]],
+    "ignore_eos": ["yes", 1],
+    "logprobs": [1, 5], "logit_bias": [{"1": 5}], "frequency_penalty": [0.5],
+    "presence_penalty": [-1], "unknown_field": [1],
+}
+_COMPLETION_BAD = {
+    **_OPENAI_BAD,
+    "prompt": [7, None, [], [[]], [1, "a"], [256], [-1], [[1], "a"], "", "\ud800", [2**40],
+               {"a": 1}, True, [1.5], "x" * 70],
+    "echo": [True], "best_of": [2], "suffix": ["x"],
+}
+_CHAT_BAD = {
+    **_OPENAI_BAD,
+    "messages": [[], "hi", [{"role": "robot", "content": "x"}], [{"content": "x"}],
+                 [{"role": "user"}], [{"role": "user", "content": 7}],
+                 [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                 [{"role": "tool", "content": "x", "tool_call_id": "1"}],
+                 [{"role": "user", "content": "x", "tool_calls": []}], ["not an object"],
+                 [{"role": "user", "content": "\ud800"}], [{"role": "user", "content": "x",
+                                                            "name": 3}],
+                 [{"role": "user", "content": "x" * 70}]],
+    "max_completion_tokens": [0, 10**30, "5"],
+    "tools": [[{"type": "function", "function": {"name": "f"}}]],
+    "response_format": [{"type": "json_object"}], "tool_choice": ["auto"], "echo": [True],
+}
+_OPENAI_ROUTES = {"/v1/completions": ({"prompt": "The ", "max_tokens": 4}, _COMPLETION_BAD),
+                  "/v1/chat/completions": ({"messages": [{"role": "user", "content": "Hi"}],
+                                            "max_tokens": 4}, _CHAT_BAD)}
 
 
-def _malformed(rng) -> tuple[bytes, dict]:
-  """One request body (and extra headers) that must be refused with a 4xx."""
+def _generic_malformed(rng, valid: dict) -> tuple[bytes, dict] | None:
+  """Bodies that are wrong on any route (None: pick a route-specific one)."""
   kind = rng.randrange(9)
-  valid = {"prompt": "The ", "max_tokens": 4}
   if kind == 0:  # random bytes
     return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200))), {}
   if kind == 1:  # a valid request cut short
@@ -225,34 +269,97 @@ def _malformed(rng) -> tuple[bytes, dict]:
     depth = rng.choice([33, 100, 5000, 200_000])
     nested = "[" * depth + "]" * depth
     return rng.choice([nested, '{"prompt": "x", "id": ' + nested + "}"]).encode(), {}
-  if kind == 4:  # one field with a wrong value
+  if kind == 4:  # bytes that are not UTF-8 inside a string, or a body over the size limit
+    if rng.random() < 0.8:
+      return b'{"prompt": "ab' + bytes([rng.randrange(0x80, 0x100)]) + b'"}', {}
+    return b'{"prompt": "' + b"x" * (server_lib.MAX_BODY_BYTES + 10) + b'"}', {}
+  if kind == 5:  # a body that claims a compression it does not have
+    return json.dumps(valid).encode(), {"Content-Encoding": rng.choice(["gzip", "deflate",
+                                                                        "br"])}
+  if kind == 6:  # an integer beyond the 4300 digits Python's int() takes (once a 500)
+    return json.dumps(valid)[:-1].encode() + b', "seed": ' + b"9" * 5000 + b"}", {}
+  return None
+
+
+def _malformed(rng) -> tuple[bytes, dict]:
+  """One /generate body (and extra headers) that must be refused with a 4xx."""
+  valid = {"prompt": "The ", "max_tokens": 4}
+  generic = _generic_malformed(rng, valid)
+  if generic is not None:
+    return generic
+  kind = rng.randrange(3)
+  if kind == 0:  # one field with a wrong value
     field = rng.choice(sorted(_BAD_VALUES))
     body = {k: v for k, v in valid.items() if field != "tokens" or k != "prompt"}
     body[field] = rng.choice(_BAD_VALUES[field])
     return json.dumps(body).encode(), {}
-  if kind == 5:  # a literal Python's json reads as a non-finite float, or a huge number
+  if kind == 1:  # a literal Python's json reads as a non-finite float, or a huge number
     field = rng.choice(sorted(_RAW_VALUES))
     return f'{{"prompt": "x", "{field}": {rng.choice(_RAW_VALUES[field])}}}'.encode(), {}
-  if kind == 6:  # fields: unknown, both prompt and tokens, neither
-    return json.dumps(rng.choice([{**valid, f"f{rng.randrange(1000)}": 1},
-                                  {**valid, "tokens": [1]}, {"max_tokens": 3},
-                                  {"prompt": "x" * 300, "max_tokens": 4}])).encode(), {}
-  if kind == 7:  # bytes that are not UTF-8 inside a string, or a body over the size limit
-    if rng.random() < 0.8:
-      return b'{"prompt": "ab' + bytes([rng.randrange(0x80, 0x100)]) + b'"}', {}
-    return b'{"prompt": "' + b"x" * (server_lib.MAX_BODY_BYTES + 10) + b'"}', {}
-  # kind 8: a body that claims a compression it does not have
-  return json.dumps(valid).encode(), {"Content-Encoding": rng.choice(["gzip", "deflate", "br"])}
+  # fields: unknown, both prompt and tokens, neither
+  return json.dumps(rng.choice([{**valid, f"f{rng.randrange(1000)}": 1},
+                                {**valid, "tokens": [1]}, {"max_tokens": 3},
+                                {"prompt": "x" * 300, "max_tokens": 4}])).encode(), {}
 
 
-def post_raw(url: str, body: bytes, headers: dict) -> tuple[int, bytes]:
-  request = urllib.request.Request(url + "/generate", data=body,
+def _malformed_openai(rng) -> tuple[str, bytes, dict]:
+  """One OpenAI-route request (path, body, extra headers) that must be refused with a 4xx."""
+  path = rng.choice(sorted(_OPENAI_ROUTES))
+  valid, bad = _OPENAI_ROUTES[path]
+  generic = _generic_malformed(rng, valid)
+  if generic is not None:
+    return (path, *generic)
+  kind = rng.randrange(4)
+  if kind == 0:  # a literal Python's json reads as a non-finite float, or a huge number
+    field = rng.choice(sorted(_RAW_VALUES))
+    body = json.dumps(valid)[:-1] + f', "{field}": {rng.choice(_RAW_VALUES[field])}}}'
+    return path, body.encode(), {}
+  if kind == 1:  # the request's text field missing, stream_options without stream
+    return path, json.dumps(rng.choice([{"max_tokens": 3}, {**valid, "stream_options": {
+        "include_usage": True}}])).encode(), {}
+  field = rng.choice(sorted(bad))
+  body = {**valid, field: rng.choice(bad[field])}
+  if field == "stream_options":
+    body["stream"] = True
+  return path, json.dumps(body).encode(), {}
+
+
+def post_raw(url: str, body: bytes, headers: dict, path: str = "/generate") -> tuple[int, bytes]:
+  request = urllib.request.Request(url + path, data=body,
                                    headers={"Content-Type": "application/json", **headers})
   try:
     with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
       return response.status, response.read()
   except urllib.error.HTTPError as e:
     return e.code, e.read()
+
+
+def _valid_request(url: str, rng, index: int) -> tuple[list[int], str]:
+  """A valid greedy request to /generate, /v1/completions or /v1/chat/completions in turn:
+  (the prompt's ids, the completion text)."""
+  prompt = "".join(rng.choice("abcdefgh ") for _ in range(rng.randrange(1, 12)))
+  route = index % 3
+  body = ({"prompt": prompt, "max_tokens": 5} if route < 2 else
+          {"messages": [{"role": "user", "content": prompt}], "max_tokens": 5})
+  path = ("/generate", "/v1/completions", "/v1/chat/completions")[route]
+  status, payload = post_raw(url, json.dumps(body).encode(), {}, path)
+  assert status == 200, (path, payload)
+  answer = json.loads(payload)
+  text = (answer["completion"] if route == 0 else answer["choices"][0]["text"] if route == 1
+          else answer["choices"][0]["message"]["content"])
+  rendered = prompt if route < 2 else f"user: {prompt}\nassistant:"  # the default template
+  return list(text_data.encode(rendered)), text
+
+
+def _check_refusal(status: int, payload: bytes, openai_shape: bool, what) -> None:
+  assert 400 <= status < 500, (status, what, payload[:300])
+  if payload.startswith(b"{"):  # else aiohttp's own 400 for a message it cannot parse
+    error = json.loads(payload)["error"]
+    if openai_shape:
+      assert set(error) == {"message", "type", "param", "code"}, payload
+      assert error["message"] and error["type"] == "invalid_request_error", payload
+    else:
+      assert error, payload
 
 
 def test_fuzz_malformed_requests_get_4xx_and_valid_ones_still_right(server, capfd):
@@ -264,32 +371,29 @@ def test_fuzz_malformed_requests_get_4xx_and_valid_ones_still_right(server, capf
   logging.getLogger("aiohttp").addHandler(handler)
   rng = random.Random(16)
   started = time.monotonic()
-  answers, refused = [], []
+  answers, refused = [], collections.Counter()
   try:
     for i in range(FUZZ_REQUESTS):
       assert time.monotonic() - started < FUZZ_SECONDS, f"only {i} requests in time"
-      body, headers = _malformed(rng)
-      status, payload = post_raw(server.url, body, headers)
-      refused.append(status)
-      assert 400 <= status < 500, (status, body[:200], headers, payload[:300])
-      if payload.startswith(b"{"):  # else aiohttp's own 400 for a message it cannot parse
-        assert json.loads(payload)["error"], payload
+      if rng.random() < 0.6:
+        path, (body, headers) = "/generate", _malformed(rng)
+      else:
+        path, body, headers = _malformed_openai(rng)
+      status, payload = post_raw(server.url, body, headers, path)
+      refused[path, status] += 1
+      _check_refusal(status, payload, path != "/generate", (path, body[:200], headers))
       if i % VALID_EVERY == VALID_EVERY - 1:
-        prompt = "".join(rng.choice("abcdefgh ") for _ in range(rng.randrange(1, 12)))
-        status, payload = post(server.url, json.dumps({"prompt": prompt,
-                                                       "max_tokens": 5}).encode())
-        assert status == 200, payload
-        answers.append((prompt, payload["tokens"]))
+        answers.append(_valid_request(server.url, rng, i // VALID_EVERY))
   finally:
     logging.getLogger("aiohttp").removeHandler(handler)
-  engine = server.batcher.engine
-  for prompt, tokens in answers:  # each valid answer equals its prompt generated alone
-    alone = engine_lib.generate(engine, [text_data.encode(prompt)],
-                                [SamplingParams(max_tokens=5)], 1)[0]
-    assert tokens == alone.tokens, prompt
+  # Each valid answer equals its prompt generated alone (one slot: one prompt at a time).
+  alone = engine_lib.generate(server.batcher.engine, [np.asarray(p, np.int32) for p, _ in answers],
+                              [SamplingParams(max_tokens=5)] * len(answers), 1)
+  for (prompt, text), result in zip(answers, alone):
+    assert text == text_data.decode(result.tokens), prompt
   assert len(answers) == FUZZ_REQUESTS // VALID_EVERY
   assert not records, [r.getMessage() for r in records]
   captured = capfd.readouterr()
   assert "Traceback" not in captured.out + captured.err
-  print(f"{len(refused)} malformed requests: " + ", ".join(
-      f"{status}: {refused.count(status)}" for status in sorted(set(refused))))
+  print(f"{sum(refused.values())} malformed requests: " + ", ".join(
+      f"{path} {status}: {count}" for (path, status), count in sorted(refused.items())))
