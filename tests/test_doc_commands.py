@@ -2,8 +2,10 @@
 
 scripts/doc_commands.py extracts them; each runs here in bash, in a fresh folder that holds
 the repository's experiments/ and scripts/ and the input files the docs assume (text files,
-prompts, images), with the environment of a new CPU-only shell: no XLA_FLAGS, no
-JAX_PLATFORMS (the commands choose the CPU and simulate their devices themselves). Changes
+prompts, images), with the environment of a new CPU-only shell: no JAX_PLATFORMS and no
+device count in XLA_FLAGS (the commands choose the CPU and simulate their devices
+themselves); XLA_FLAGS holds only the suite's --xla_backend_optimization_level=0 (LLVM's
+optimizations off: the programs compile faster, tests/conftest.py). Changes
 to a command, all listed below: short step counts where a flag allows them (SHORTER),
 --dry-run for launchers that would reach a cloud or a cluster (DRY_RUN), a free port for
 the server, and /tmp paths moved into the folder. A server runs in the background while
@@ -65,9 +67,21 @@ SKIP = {
     r"bench_train\.py --baseline=/tmp/base": "trains in two checkouts (minutes), the second a "
                                              "worktree the user makes first; tests/scripts runs "
                                              "it against this checkout",
+    r"bench_batch_fit\.py --before=/tmp/wt_before": "serves in two checkouts (minutes), the "
+                                                    "second a worktree the user makes first; "
+                                                    "its --quick run is here",
     r"def get_sweep": "an excerpt of experiments/lm.py's get_sweep, shown for its fields",
     r"toolkit\.\w+ .*gs://my-bucket": "needs a Cloud Storage bucket; tests/toolkit/training/"
                                      "test_gcs_workdir.py runs these against a local emulator",
+    r"sft\.py:1b,base=/models/": "fine-tunes Llama 3.2 1B from its Hugging Face folder (a "
+                                   "download, and a pod's memory); the CPU variant's commands "
+                                   "run here",
+    r"size=8b --topology=v5e-8": "compiles the 8b step for v5e-8 (0.5-5 min; the full "
+                                 "fine-tune exits 1: it does not fit); tests/toolkit/pod/"
+                                 "test_compile_lora.py compiles both and checks their verdicts",
+    r"--tasks=hellaswag": "the task's data is on the Hugging Face Hub, out of reach here; "
+                          "tests/toolkit/evaluation/test_evaluate_command.py checks its one "
+                          "error line, test_hf_parity.py the harness on local tasks",
 }
 # Launchers that would call gcloud / sbatch: their documented --dry-run instead.
 DRY_RUN = (r"scripts/tpu_pod\.py", r"scripts/slurm_job\.py")
@@ -79,6 +93,7 @@ SHORTER = {
     r"--batches=200": "--batches=5",
     r"--requests=200": "--requests=16",
     r"(toolkit\.sweep --config=experiments/lm\.py):cpu": r"\1:tiny",
+    r"(toolkit\.sweep --config=experiments/sft\.py):lora": r"\1:tiny",
 }
 # pattern -> why it runs in make test-slow only (over a minute here, even shortened).
 SLOW = {
@@ -117,10 +132,21 @@ PRODUCERS = {
     "runs/hf_tiny": r"scripts/tiny_hf_model\.py --out=runs/hf_tiny",
     "runs/hf_import": r"toolkit\.convert import --hf=runs/hf_tiny --workdir=runs/hf_import",
     "runs/hf_export": r"toolkit\.convert export --workdir=runs/hf_import --out=runs/hf_export",
+    "runs/lm_cpu_hf": r"toolkit\.convert export --workdir=runs/lm_cpu --out=runs/lm_cpu_hf",
+    "runs/sft_repeat": (r"toolkit\.train --config=experiments/sft\.py:cpu,base=runs/lm_cpu_hf "
+                        r"\\\n\s*--workdir=runs/sft_repeat"),
+    "runs/sft_repeat_lora": (r"toolkit\.train --config=experiments/sft\.py:cpu,base=runs/"
+                             r"lm_cpu_hf,lora=16 \\\n\s*--workdir=runs/sft_repeat_lora"),
+    "runs/sft_lora_peft": (r"toolkit\.convert export --workdir=runs/sft_repeat_lora "
+                           r"--out=runs/sft_lora_peft --peft"),
 }
 # pattern of a command -> (pattern of an output line it may print, why). Reviewed: each one an
 # open problem of the code, not of the docs.
-KNOWN_NOISE: dict[str, tuple[str, str]] = {}
+KNOWN_NOISE: dict[str, tuple[str, str]] = {
+    r"^import peft": (r"FutureWarning: `is_gradient_checkpointing` is deprecated",
+                      "peft 0.21.2's PeftModel reads an attribute transformers 5 deprecated "
+                      "(peft/peft_model.py); upstream's to fix, the load itself is right"),
+}
 TEXT = ("The quick brown fox jumps over the lazy dog. A list is a sequence of items; "
         "a dictionary maps keys to values. ") * 300
 
@@ -185,6 +211,10 @@ def _cases() -> list[list[doc_commands.DocCommand]]:
     text = case[0].text
     if re.search(r"prepare_text|tiny_hf_model|toolkit\.convert import", text):
       return 0
+    # An export that others read (PRODUCERS) before they run: after them, its --out would be
+    # there already (made for them) and the export refuses to write over it.
+    if "toolkit.convert export" in text and any(re.search(p, text) for p in PRODUCERS.values()):
+      return 0
     return 1 if "toolkit.train" in text and "--plan=" not in text else 2
   return sorted(cases, key=stage)
 
@@ -233,9 +263,11 @@ def _write_digits(path: pathlib.Path) -> None:
 
 
 def _env() -> dict[str, str]:
-  """A new shell's environment: the venv's python first on PATH, nothing set for JAX."""
+  """A new shell's environment: the venv's python first on PATH, nothing set for JAX but
+  LLVM's optimization level (see the module docstring)."""
   env = {k: v for k, v in os.environ.items()
          if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH")}
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
   env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
   return env
 
