@@ -4,11 +4,20 @@
 # 3.11 jax stops at 0.10.2, the lower bound). It creates .venv-newest itself, installs
 # '.[test]' with --upgrade (no pins but the project's own: torch==2.13.0), prints the
 # versions it got and runs the tests marked `smoke` (train, resume, sharded == unsharded,
-# Grain's batches, Hugging Face parity, a TPU compile, one served request): 8 tests, ~2
-# minutes on 2 cores after an install of ~2 minutes.
+# Grain's batches, Hugging Face parity, a TPU compile, one served request): 10 tests, ~1
+# minute on 2 cores after an install of ~2 minutes.
+#
+#   bash scripts/ci_newest.sh           the install, then the smoke tests
+#   bash scripts/ci_newest.sh install   the install only (.ci/run starts it beside make test's)
+#   bash scripts/ci_newest.sh smoke     the smoke tests only, in the venv an install made
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${NEWEST_VENV:-.venv-newest}
+phase=${1:-all}
+case "$phase" in
+  all|install|smoke) ;;
+  *) echo "error: scripts/ci_newest.sh $phase: choose install, smoke or nothing (both)" >&2; exit 2 ;;
+esac
 
 # Pyenv's newest 3.12 where pyenv is installed, else a python3.12 on PATH.
 python=""
@@ -23,16 +32,17 @@ if [[ -z "$python" ]] || ! "$python" -c pass 2>/dev/null; then
   exit 1
 fi
 
-start=$SECONDS
-if [[ ! -x "$VENV/bin/python" ]]; then
-  "$python" -m venv "$VENV"
-fi
-"$VENV/bin/pip" install --quiet --upgrade pip
-# eager: an existing venv moves every dependency to its newest release too, not only meshkit.
-"$VENV/bin/pip" install --quiet --upgrade --upgrade-strategy eager -e '.[test]'
-echo "newest-deps: $("$VENV/bin/python" --version) venv ready in $((SECONDS - start)) s"
+install() {
+  start=$SECONDS
+  if [[ ! -x "$VENV/bin/python" ]]; then
+    "$python" -m venv "$VENV"
+  fi
+  "$VENV/bin/pip" install --quiet --upgrade pip
+  # eager: an existing venv moves every dependency to its newest release too, not only meshkit.
+  "$VENV/bin/pip" install --quiet --upgrade --upgrade-strategy eager -e '.[test]'
+  echo "newest-deps: $("$VENV/bin/python" --version) venv ready in $((SECONDS - start)) s"
 
-"$VENV/bin/python" - <<'EOF'
+  "$VENV/bin/python" - <<'EOF'
 from importlib import metadata
 names = ["jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorstore", "libtpu",
          "transformers", "torch"]
@@ -43,7 +53,18 @@ def version(name):
     return "not installed"
 print("newest-deps: " + ", ".join(f"{name} {version(name)}" for name in names))
 EOF
+}
 
+if [[ "$phase" != smoke ]]; then
+  install
+fi
+if [[ "$phase" == install ]]; then
+  exit 0
+fi
+if [[ ! -x "$VENV/bin/python" ]]; then
+  echo "error: $VENV has no python: run bash scripts/ci_newest.sh install first" >&2
+  exit 1
+fi
 start=$SECONDS
 status=0
 "$VENV/bin/python" -m pytest -m smoke --durations=10 ${PYTEST_ARGS:-} || status=$?

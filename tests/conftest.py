@@ -19,7 +19,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The commands keep compiled programs under $XDG_CACHE_HOME/meshkit (toolkit/runtime.py). The
 # session gets an empty folder of its own, shared by every process it starts (pytest-xdist
 # workers and the commands the tests run), so no result depends on what ran on this machine
-# before, and a program one test's command compiled is read back by the next one's.
+# before, and a program one test's command compiled is read back by the next one's. .ci/run
+# sets MESHKIT_TEST_CACHE itself (a new folder) to share one between make test and the slow half.
 if "MESHKIT_TEST_CACHE" not in os.environ:  # the first pytest process of the session
   os.environ["MESHKIT_TEST_CACHE"] = tempfile.mkdtemp(prefix="meshkit-test-cache-")
   atexit.register(shutil.rmtree, os.environ["MESHKIT_TEST_CACHE"], ignore_errors=True)

@@ -16,6 +16,7 @@ from toolkit.data import text
 from toolkit.inference import engine as engine_lib, restore
 from toolkit.inference.sampling import SamplingParams
 from toolkit.training import state as state_lib
+from tests import preloaded, tiny_runs
 
 # int8 against bfloat16 weights, both computing in bfloat16, on the CPU LM trained for
 # TRAINED_STEPS steps, teacher-forced over 4,096 positions (32 windows of 128) of the last
@@ -86,12 +87,25 @@ def test_the_engine_serves_int8_weights_sharded(engines):
   assert [r.tokens[0] for r in b] == [r.tokens[0] for r in a]
 
 
-@pytest.mark.slow  # ~1.5 min on 2 quiet cores: trains the CPU LM for 150 steps
-def test_int8_weights_agree_with_bfloat16_on_the_trained_cpu_lm(tmp_path):
+def _trained_config():
   config = lm.get_config("cpu")
   config.train.update(steps=TRAINED_STEPS, eval_every=TRAINED_STEPS, log_every=TRAINED_STEPS,
                       checkpoint_every=TRAINED_STEPS, sample_tokens=0)
-  training.run(config, str(tmp_path))
+  return config
+
+
+def train_cpu_lm(workdir: str) -> None:
+  """The CPU LM trained for TRAINED_STEPS steps into `workdir`."""
+  training.run(_trained_config(), workdir)
+
+
+@pytest.mark.slow  # ~85 s on 2 quiet cores (122 s in-process): trains the CPU LM 150 steps
+def test_int8_weights_agree_with_bfloat16_on_the_trained_cpu_lm(tmp_path):
+  # The training runs in a child with XLA's default code generation, as a user's run does
+  # (the suite's own programs skip LLVM's optimizations, which makes these steps ~1.8x slower).
+  preloaded.call("tests.models.test_quantization:train_cpu_lm", str(tmp_path),
+                 env=tiny_runs.default_codegen_env(), timeout=600)
+  config = _trained_config()
   params = jax.device_get(restore.restore_params(config, str(tmp_path))[0])  # the lean restore
   cfg = LlamaConfig.preset("cpu", param_dtype="bfloat16", compute_dtype="bfloat16")
   mesh = sharding.make_mesh([("data", 1)], [], jax.devices()[:1])
