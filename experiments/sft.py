@@ -14,10 +14,11 @@ never saw when asked to:
       --checkpoint=runs/sft_repeat
 
 Expected result: held-out exact match from <= 5 % before to >= 90 % after fine-tuning on each
-of seeds 0, 1, 2 (measured: 0 % before; 100 %, 100 % and 99.2 % after). With `,lora=16` added
+of seeds 0, 1, 2 (measured: 0 % before; 100 %, 100 % and 99.2 % after as three runs, 100 % on
+each as the trials of one population, tests/test_documented_results.py). With `,lora=16` added
 to both configs (1,000 steps, docs/post_training.md): with rank-16 LoRA adapters on the frozen
 base, from <= 5 % before to >= 90 % after on each of seeds 0, 1, 2 (measured: 0 % before;
-94.5 %, 100 % and 100 % after).
+94.5 %, 100 % and 100 % after as three runs, 100 % on each as one population).
 
 Variants after the colon, comma separated:
   cpu          (default) the CPU LM (0.9 M parameters, byte-level) fine-tuned on

@@ -116,8 +116,10 @@ CLAIMS = {
 # tuned on synthetic:repeat, fully (sft.py:cpu) and with rank-SFT_LORA_RANK adapters on a frozen
 # base (sft.py:cpu,lora=16); held-out exact match of greedy generation through the KV-cache
 # engine, before (the demo's model) and after, on each of seeds 0, 1, 2. Measured: 0 % before;
-# after, fully 100 %, 100 %, 99.2 % and with adapters 94.5 %, 100 %, 100 %. The task is learnt
-# suddenly at a step that moves with the seed (experiments/sft.py), so the floor is 90 %.
+# after, fully 100 %, 100 %, 99.2 % and with adapters 94.5 %, 100 %, 100 % as separate runs, and
+# 100 % on each seed of both as the trials of one population (as sft_scores runs them). The
+# task is learnt suddenly at a step that moves with the seed (experiments/sft.py), so the floor
+# is 90 %.
 SFT_SEEDS, SFT_BEFORE_MAX, SFT_AFTER_MIN, SFT_LORA_RANK = (0, 1, 2), 0.05, 0.90, 16
 _SFT_RESULT = (f"held-out exact match from <= {SFT_BEFORE_MAX:.0%} before to >= "
                f"{SFT_AFTER_MIN:.0%} after fine-tuning on each of seeds 0, 1, 2",
@@ -319,7 +321,10 @@ def sft_scores(arg: str, workdir: str) -> dict:
   """experiments/sft.py:`arg` fine-tuned on one device once per seed of SFT_SEEDS, in
   `workdir`/seed_N: the held-out exact match (scripts/chat_exact_match.py) of the weights it
   starts from ("before", the same for every seed) and of each seed's trained ones. The LoRA
-  result passes its own variant."""
+  result passes its own variant. The seeds train as the trials of one population program, as
+  a sweep over seed trains them (each trial equals its own run: tests/toolkit/tuning/
+  test_population.py and test_population_lora.py): the CPU step's fixed cost is paid once for
+  the three."""
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import sft  # pylint: disable=g-import-not-at-top
   from scripts import chat_exact_match  # pylint: disable=g-import-not-at-top
@@ -328,11 +333,13 @@ def sft_scores(arg: str, workdir: str) -> dict:
   config = sft.get_config(arg)
   before = chat_exact_match.score(config, *chat_exact_match.initial_params(config, devices))
   print(f"before: {before.format()}", flush=True)
+  configs = [sft.get_config(arg) for _ in SFT_SEEDS]
+  for trial, seed in zip(configs, SFT_SEEDS):
+    trial.seed = seed
+  folders = [os.path.join(workdir, f"seed_{seed}") for seed in SFT_SEEDS]
+  population.run(configs, folders, until=config.train.steps, devices=devices, log=print)
   after = {}
-  for seed in SFT_SEEDS:
-    config.seed = seed
-    folder = os.path.join(workdir, f"seed_{seed}")
-    training.run(config, folder, devices=devices)
+  for seed, folder in zip(SFT_SEEDS, folders):
     params, model_cfg, *_ = restore_params(config, folder, devices)
     score = chat_exact_match.score(config, jax.device_get(params), model_cfg)
     print(f"seed {seed} after: {score.format()}", flush=True)
@@ -340,7 +347,7 @@ def sft_scores(arg: str, workdir: str) -> dict:
   return {"before": {"accuracy": before.accuracy, "total": before.total}, "after": after}
 
 
-@pytest.mark.slow  # ~590 s on 2 quiet cores: six fine-tunes (600 and 1,000 steps) and scoring
+@pytest.mark.slow  # ~660 s on 2 quiet cores: two populations of 3 (600 and 1,000 steps), scoring
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)  # the demo's run (~130 s quiet) comes first when unshared
 def test_sft_learns_to_repeat_words_on_three_seeds(sft_base, tmp_path):
   """experiments/sft.py and docs/post_training.md: the demo's model fine-tuned on
