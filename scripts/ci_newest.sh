@@ -8,7 +8,7 @@
 # minute on 2 cores after an install of ~2 minutes.
 #
 #   bash scripts/ci_newest.sh           the install, then the smoke tests
-#   bash scripts/ci_newest.sh install   the install only (.ci/run starts it beside make test's)
+#   bash scripts/ci_newest.sh install   the install only
 #   bash scripts/ci_newest.sh smoke     the smoke tests only, in the venv an install made
 set -euo pipefail
 cd "$(dirname "$0")/.."
