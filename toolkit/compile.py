@@ -6,11 +6,16 @@ Answered from a laptop by the real compiler (toolkit/pod/aot.py explains the rep
       --json=report.json
   python -m toolkit.compile --config=experiments/lm.py:cpu --topology=cpu:8   # no libtpu
   python -m toolkit.compile --config=experiments/lm.py:size=1b --topology=v5e-16 --plan
+  python -m toolkit.compile --config=experiments/lm.py:size=7b --topology=v5e-8 --decode \\
+      --quantize=int8 --decode_batch=8 --cache_length=64
 
 Exit status: 0 fits (or a CPU target), 1 does not fit (or the compiler failed otherwise: its
 first line is the error), 2 bad input (flags, config, sharding lint), each as one `error:` line.
 `--plan` searches meshes, rules, remat, micro-batches, attention and loss chunking instead
-(toolkit/pod/planner.py).
+(toolkit/pod/planner.py). `--decode` compiles the generation engine's decode step instead, for
+the config's model, mesh and rules with the weights as `--quantize` serves them: weights per
+device (and their ratio to bfloat16's), the compiler's total per device against the chip's HBM,
+bytes accessed and FLOPs (toolkit/inference/decode_cost.py).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import sharding
 from toolkit import command_line
 from toolkit import workdir
 from toolkit.errors import ConfigError
-from toolkit.pod.aot import CompileError, LintError, compile_report
+from toolkit.pod.aot import CompileError, LintError, compile_report, parse_out_of_memory
 from toolkit.pod.report import BAD_INPUT, DOES_NOT_FIT
 from toolkit.pod.target import TargetError, target_for
 
@@ -76,6 +81,53 @@ def _plan(config, target, flag_values: dict, budget_s: float) -> None:
   print(planner.finish(outcome, flag_values["plan_out"], sys.argv))
 
 
+def _decode(config, target, flag_values: dict) -> None:
+  """--decode: the decode step's report (and JSON); exits 1 when it does not fit."""
+  from toolkit.inference import decode_cost  # pylint: disable=g-import-not-at-top
+  from toolkit.pod.report import format_decode  # pylint: disable=g-import-not-at-top
+  from toolkit.training import config as config_lib  # pylint: disable=g-import-not-at-top
+  if flag_values["plan"] or flag_values["hlo"]:
+    raise LintError("--decode reports the decode step: drop --plan and --hlo, or --decode")
+  kind = config.model.get("kind", "llama")
+  if kind != "llama":
+    raise LintError(f"--decode: model.kind={kind!r} has no decode step; the generation "
+                    f"engine serves the Llama LM")
+  spec = config_lib.resolve(config, list(target.devices))
+  try:
+    compiled = decode_cost.compile_step(
+        spec.model, spec.mesh, spec.rules, flag_values["decode_batch"],
+        flag_values["cache_length"], flag_values["page_size"], flag_values["quantize"])
+  except Exception as e:  # pylint: disable=broad-except  # XLA raises JaxRuntimeError
+    first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    if parse_out_of_memory(str(e)) is None:
+      raise CompileError(f"compiling the decode step for {target.name} failed: {first}") from e
+    command_line.fail(f"the decode step does not fit {target.name}: {first}; serve fewer "
+                      f"slots (--decode_batch), a shorter --cache_length or --quantize=int8",
+                      DOES_NOT_FIT)
+  report = {"topology": target.name, **decode_cost.costs(compiled)}
+  hbm = target.hbm_bytes_per_device
+  print(format_decode(report, f"the config's model on {target.name}", hbm), flush=True)
+  if flag_values["json"]:
+    workdir.write_text(flag_values["json"], json.dumps(report, indent=2, default=str))
+  if hbm is not None and report["total_bytes_per_device"] > hbm:
+    sys.exit(DOES_NOT_FIT)
+
+
+def _define_decode_flags(flags) -> None:
+  """--decode and the decode step's shape (absl's `flags` module)."""
+  flags.DEFINE_boolean(
+      "decode", False, "Compile the generation engine's decode step (toolkit.serve's) instead "
+      "of the train step: weights and memory per device, bytes accessed, FLOPs.")
+  flags.DEFINE_enum("quantize", "none", ["none", "bfloat16", "int8"], "--decode: the weights "
+                    "as served (none: the model's dtype; int8: per-channel scales).")
+  flags.DEFINE_integer("decode_batch", 16, "--decode: cache slots decoded per step.",
+                       lower_bound=1)
+  flags.DEFINE_integer("cache_length", 4096, "--decode: KV cache positions per slot.",
+                       lower_bound=1)
+  flags.DEFINE_integer("page_size", 16, "--decode: positions per cache page; 0: the contiguous "
+                       "cache.", lower_bound=0)
+
+
 def _check_outputs(flag_values: dict) -> None:
   """Refuses a gs:// output (--json, --hlo, --plan_out) that Cloud Storage would refuse, before
   minutes of compiling rather than after."""
@@ -123,6 +175,7 @@ def cli() -> None:
                     "(auto is splash on TPU).")
   flags.DEFINE_list("plan_loss_chunk", "", "model.loss_chunk values --plan tries (0: full "
                     "logits); empty: the config's own and 0.")
+  _define_decode_flags(flags)
 
   def main(argv) -> None:
     del argv
@@ -139,6 +192,9 @@ def cli() -> None:
       flag_values = flags.FLAGS.flag_values_dict()
       _check_outputs(flag_values)
       config = config_flag.value
+      if flag_values["decode"]:
+        _decode(config, target, flag_values)
+        return
       if plan_flag.value:
         _plan(config, target, flag_values, budget_flag.value)
         return

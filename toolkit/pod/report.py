@@ -210,3 +210,25 @@ def _communication_lines(r: Report) -> list[str]:
 
 def _cell(value) -> str:
   return f"{human_bytes(value):>13}" if value is not None else f"{'':>13}"
+
+
+def format_decode(r: dict, title: str, hbm_bytes: int | None = None) -> str:
+  """The decode step's report (toolkit/inference/decode_cost.py's costs) as lines; `title`
+  names the model and the target, `hbm_bytes` the chip's memory the total is held against."""
+  cache = f"paged, pages of {r['page_size']}" if r["page_size"] else "contiguous"
+  weights = r["quantize"] if r["quantize"] != "none" else r["model_config"]["param_dtype"]
+  ratio = r["weight_bytes_per_device"] / r["bfloat16_weight_bytes_per_device"]
+  total = human_bytes(r["total_bytes_per_device"])
+  if hbm_bytes:
+    verdict = "fits" if r["total_bytes_per_device"] <= hbm_bytes else "does not fit"
+    total += f" of {human_bytes(hbm_bytes)}: {verdict}"
+  return (f"decode step, {title} (mesh {r['mesh']}, rules {r['rules']}), batch {r['batch']}, "
+          f"cache {r['cache_length']} ({cache}), weights {weights}, layers "
+          f"{'unrolled' if r['unrolled'] else 'scanned (cost counts one layer)'}:\n"
+          f"  bytes accessed per device  {human_bytes(r['bytes_accessed_per_device'])} "
+          f"(the KV cache: {human_bytes(r['cache_bytes_per_device'])} per device)\n"
+          f"  FLOPs per device           {r['flops_per_device']:.4g}\n"
+          f"  weights per device         {human_bytes(r['weight_bytes_per_device'])} "
+          f"({ratio:.2f}x bfloat16's)\n"
+          f"  temporaries per device     {human_bytes(r['temp_bytes_per_device'])}\n"
+          f"  total per device           {total} (arguments + outputs + temporaries)")
