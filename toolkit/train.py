@@ -17,7 +17,7 @@ from toolkit.errors import ConfigError
 from toolkit.evaluation import periodic
 from toolkit.inference import text as text_lib
 from toolkit.pod import distributed
-from toolkit.training import loop, storage
+from toolkit.training import loop, stop_signal, storage
 
 
 def cli() -> None:
@@ -97,7 +97,17 @@ def cli() -> None:
         raise
       distributed.abandon(e)
 
-  app.run(main, flags_parser=lambda argv: command_line.parse_flags(
+  def main_or_interrupted(argv) -> None:
+    # Ctrl-C outside the loop's own handling (start-up, compile, the final save and plots):
+    # one line instead of a KeyboardInterrupt traceback.
+    try:
+      main(argv)
+    except KeyboardInterrupt:
+      command_line.fail("interrupted (SIGINT) outside the training loop: nothing more was "
+                        "saved, committed checkpoints are intact; rerun the same command to "
+                        "resume", stop_signal.INTERRUPTED_EXIT, now=True)
+
+  app.run(main_or_interrupted, flags_parser=lambda argv: command_line.parse_flags(
       argv, config_flag, required={"workdir": "a directory for checkpoints and metrics, e.g. "
                                                "--workdir=runs/lm"}))
 

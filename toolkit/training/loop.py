@@ -9,14 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import signal
 import time
 from collections.abc import Callable, Sequence
 
 import jax
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
 
 from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
@@ -25,6 +23,7 @@ from toolkit.training import metrics as metrics_lib, profiler as profiler_lib
 from toolkit.training import programs as programs_lib, resume
 from toolkit.training import state as state_lib, step as step_lib, storage, tasks
 from toolkit.training.setup import Setup, build, peak_flops_total, units_of, work_per_step
+from toolkit.training.stop_signal import StopSignal
 
 
 class NonFiniteLoss(RuntimeError):
@@ -67,48 +66,6 @@ class Every:
   fn: Callable[["Run", state_lib.State, int], None]
 
 
-class StopSignal:
-  """SIGTERM/SIGINT set a flag; the loop finishes its step, saves and exits cleanly.
-
-  With several processes all must stop after the same step, or the ones still training wait
-  in a collective for the ones saving. JAX's runtime catches SIGTERM on any process and agrees
-  with the others on a step (`reached_preemption_sync_point`, TPU maintenance events use it
-  too), so SIGTERM is left to it and SIGINT is passed on to it as SIGTERM.
-  """
-
-  def __init__(self):
-    self.requested = False
-    self.multiprocess = jax.process_count() > 1
-    self._previous = {}
-
-  def __enter__(self):
-    signals = (signal.SIGINT,) if self.multiprocess else (signal.SIGTERM, signal.SIGINT)
-    for sig in signals:
-      try:
-        self._previous[sig] = signal.signal(sig, self._handle)
-      except ValueError:  # not the main thread: leave signals alone
-        pass
-    return self
-
-  def _handle(self, signum, frame):
-    del frame
-    if self.multiprocess:
-      os.kill(os.getpid(), signal.SIGTERM)
-      return
-    self.requested = True
-    log(f"received {signal.Signals(signum).name}: finishing this step, then saving")
-
-  def should_stop(self, done: int) -> bool:
-    """Whether to stop after step `done`; call it once per step, on every process."""
-    if self.multiprocess:
-      return multihost_utils.reached_preemption_sync_point(done)
-    return self.requested
-
-  def __exit__(self, *exc):
-    for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
-
-
 def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
         sampler: Sampler | None = None, periodic: Sequence[Every] = ()) -> RunResult:
   """Trains per `config`, checkpointing into `workdir`; resumes if the workdir has a checkpoint.
@@ -144,8 +101,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
     train_step, eval_step = compile_steps(setup, programs)
 
   # --- loop ----------------------------------------------------------------------------------
+  writer = metrics_lib.MetricWriter(workdir, start_step)
+  if writer.dropped:
+    log(f"metrics.jsonl: dropped the records of steps {writer.dropped[0]}-{writer.dropped[-1]}, "
+        f"written by an earlier run past step {start_step}, where this one starts; those "
+        f"steps are trained again")
   current = Run(config=config, setup=setup, eval_step=eval_step, checkpoints=checkpoints,
-                writer=metrics_lib.MetricWriter(workdir), result=result, goodput=goodput,
+                writer=writer, result=result, goodput=goodput,
                 programs=programs, periodic=tuple(periodic),
                 profiler=profiler_lib.StepProfiler(profiler_lib.parse_profile_steps(
                     config.train.get("profile_steps", ""), config.train.steps), workdir, log))

@@ -118,9 +118,15 @@ class MetricWriter:
   keeps them), and the TensorBoard event file is written in a local temporary folder and
   uploaded whole after each flush, under the same name in workdir/tensorboard, where
   `tensorboard --logdir=gs://...` reads it. A record is ~250 bytes: 10,000 log steps make a
-  2.5 MB upload per write."""
+  2.5 MB upload per write.
 
-  def __init__(self, workdir: str):
+  `start_step`: the step a run starts after (a resume: its checkpoint's step). Records of
+  later steps, written by an earlier run that got further before it stopped (a resume from an
+  older checkpoint redoes those steps), are dropped once, so metrics.jsonl holds each step
+  once; TensorBoard is told the same (a SessionLog START at start_step + 1 purges its events
+  from that step on). `dropped` says which steps went."""
+
+  def __init__(self, workdir: str, start_step: int | None = None):
     self.enabled = jax.process_index() == 0
     self.path = workdir_lib.join(workdir, "metrics.jsonl")
     self._tensorboard = workdir_lib.join(workdir, "tensorboard")
@@ -128,6 +134,35 @@ class MetricWriter:
     self._events = None
     self._lines: list[str] | None = None  # gs://: every line of metrics.jsonl
     self._staging: tempfile.TemporaryDirectory | None = None  # gs://: the local event file
+    self._start_step = start_step
+    self.dropped: list[int] = []
+    if self.enabled and start_step is not None:
+      self._drop_after(start_step)
+
+  def _drop_after(self, start_step: int) -> None:
+    """Rewrites metrics.jsonl without the records of steps after `start_step` (all of them
+    when a run starts from scratch, step 0's eval included); written whole, then renamed."""
+    if not workdir_lib.exists(self.path):
+      return
+    lines = workdir_lib.read_text(self.path).splitlines()
+    keep = [line for line in lines if _step_of(line) is None
+            or (start_step > 0 and _step_of(line) <= start_step)]
+    if len(keep) == len(lines):
+      return
+    self.dropped = sorted({_step_of(line) for line in lines} - {_step_of(line) for line in keep})
+    text = "".join(f"{line}\n" for line in keep)
+    try:
+      if self._remote:
+        self._lines = [f"{line}\n" for line in keep]
+        workdir_lib.write_text(self.path, text)
+      else:
+        partial = f"{self.path}.partial"
+        with open(partial, "w") as f:
+          f.write(text)
+        os.replace(partial, self.path)
+    except OSError as e:
+      raise storage.StorageError(f"{self.path} could not be rewritten ({storage.cause(e)}); "
+                                 f"{storage.fix(e)}") from None
 
   def write(self, step: int, kind: str, values: dict[str, float]) -> None:
     if not self.enabled:
@@ -148,6 +183,10 @@ class MetricWriter:
       where = self._tensorboard
       if self._events is None:
         self._events = EventsWriter(os.path.join(self._events_folder(), "events"))
+        if self._start_step:  # a resume: TensorBoard forgets what an earlier run wrote after it
+          self._events.write_event(event_pb2.Event(
+              wall_time=time.time(), step=self._start_step + 1,
+              session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
       for name, value in values.items():
         self._events.write_event(event_pb2.Event(
             wall_time=time.time(), step=step, summary=summary.scalar(f"{kind}/{name}", value)))
@@ -180,6 +219,15 @@ class MetricWriter:
     if self._staging is not None:
       self._staging.cleanup()
       self._staging = None
+
+
+def _step_of(line: str) -> int | None:
+  """A metrics.jsonl line's step; None for a line that does not parse (kept as it is)."""
+  try:
+    record = json.loads(line)
+  except ValueError:
+    return None
+  return record.get("step") if isinstance(record, dict) else None
 
 
 def read_metrics(path: str) -> list[dict]:

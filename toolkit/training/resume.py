@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 
 from toolkit import hf
 from toolkit.errors import ConfigError
-from toolkit.training import checkpoint, init_from, state as state_lib, storage
+from toolkit.training import checkpoint, init_from, state as state_lib, step as step_lib, storage
 from toolkit.training.programs import Programs
 from toolkit.training.setup import Setup
 
@@ -34,7 +34,10 @@ def restore_or_init(config: ml_collections.ConfigDict, setup: Setup,
   starts at step 0. `hf_folder` is `init_from.source`'s answer (checked, or None); a fresh
   state's init program comes from `programs` when it holds it."""
   if own.all_steps():
-    return restore_newest_good(own, setup, log)
+    state, position = restore_newest_good(own, setup, log)
+    if (line := schedule_change(config, own, int(jax.device_get(state["step"])))) is not None:
+      log(line)
+    return state, position
   if config.train.resume_from:
     return restore_other_run(config.train.resume_from, setup, log)
   if hf_folder is not None:
@@ -66,6 +69,32 @@ def restore_newest_good(checkpoints: checkpoint.Checkpoints, setup: Setup,
   raise ConfigError(f"no checkpoint in {checkpoints.directory} can be restored ({causes}); "
                     f"nothing was moved. They are damaged or were written by another config: "
                     f"move that folder away to start from scratch")
+
+
+def schedule_length(config: dict) -> int:
+  """The learning-rate schedule's length in steps: optimizer.schedule_steps, else train.steps
+  (a config as a dict; saved before schedule_steps existed: train.steps)."""
+  return config.get("optimizer", {}).get("schedule_steps") or config["train"]["steps"]
+
+
+def schedule_change(config: ml_collections.ConfigDict, own: checkpoint.Checkpoints,
+                    step: int) -> str | None:
+  """A warning when this run's schedule is not the one the checkpoint at `step` trained on
+  (train.steps changed, say): warmup and decay stretch and the learning rate jumps."""
+  try:
+    saved = schedule_length(own.saved_config(step))
+  except (checkpoint.DamagedCheckpoint, KeyError):
+    return None  # restored, so readable; a config without train.steps has nothing to compare
+  now = schedule_length(checkpoint.config_to_dict(config))
+  if saved == now:
+    return None
+  # Step `step + 1` applies the schedule's value at count `step` (optax counts from 0).
+  before, after = (float(step_lib.learning_rate_schedule(config.optimizer, n)(step))
+                   for n in (saved, now))
+  return (f"warning: the learning-rate schedule was {saved} steps long and is {now} now "
+          f"(train.steps or optimizer.schedule_steps changed): warmup and decay stretch, and "
+          f"step {step + 1} trains at lr {after:.2e} instead of {before:.2e}; to keep the "
+          f"schedule the checkpoint trained on, add --config.optimizer.schedule_steps={saved}")
 
 
 def restore_other_run(resume_from: str, setup: Setup, log: Callable[[str], None]

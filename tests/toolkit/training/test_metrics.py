@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 import subprocess
 import sys
 
@@ -105,3 +106,49 @@ def test_what_one_token_is_follows_the_data(tmp_path, source, tokenizer, unit):
                                                     "tokenizer": tokenizer}))
     config.data.path = str(tmp_path)
   assert data.token_unit(config) == unit
+
+
+def _events(folder) -> list:
+  """Every event of every TensorBoard event file in `folder` (TFRecord: length (8 bytes), its
+  CRC (4), the record, its CRC (4))."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  events = []
+  for path in sorted(folder.glob("events.out.tfevents.*")):
+    data = path.read_bytes()
+    while data:
+      (length,) = struct.unpack("<Q", data[:8])
+      events.append(event_pb2.Event.FromString(data[12:12 + length]))
+      data = data[16 + length:]
+  return events
+
+
+def test_a_resumed_run_keeps_each_step_once_in_metrics_and_tensorboard(tmp_path):
+  """Issue 32: after a resume from an older checkpoint, metrics.jsonl held steps 1-10 and then
+  6-10 again. The records after the resumed step go (once, when the writer opens); a line cut
+  short by a full disk stays, on a line of its own; TensorBoard gets a SessionLog START at the
+  first step trained again, which purges its earlier events from there on."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  from toolkit.training import metrics  # pylint: disable=g-import-not-at-top
+  first = metrics.MetricWriter(str(tmp_path))
+  for step in range(1, 11):
+    first.write(step, "train", {"loss": 10.0 - step})
+  first.write(10, "eval", {"loss": 1.0})
+  first.close()
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 11, "kind": "tra')  # cut short
+  resumed = metrics.MetricWriter(str(tmp_path), start_step=5)
+  assert resumed.dropped == [6, 7, 8, 9, 10]
+  resumed.write(6, "train", {"loss": 3.5})
+  resumed.close()
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert lines[5:] == ['{"step": 11, "kind": "tra', '{"step": 6, "kind": "train", "loss": 3.5}']
+  assert [(r["step"], r["loss"]) for r in metrics.read_metrics(str(tmp_path / "metrics.jsonl"))
+          ] == [(s, 10.0 - s) for s in range(1, 6)] + [(6, 3.5)]
+  starts = [e.step for e in _events(tmp_path / "tensorboard")
+            if e.session_log.status == event_pb2.SessionLog.START]
+  assert starts == [6]
+
+  again = metrics.MetricWriter(str(tmp_path), start_step=0)  # a run from scratch: nothing kept
+  assert again.dropped == [1, 2, 3, 4, 5, 6]
+  assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 11, "kind": "tra\n'
+  assert metrics.MetricWriter(str(tmp_path), start_step=9).dropped == []

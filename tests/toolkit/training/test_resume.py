@@ -264,3 +264,31 @@ def _restore_intact(straight, step: int):
   state, _ = manager.restore(step, setup.layout.abstract)
   manager.close()
   return state
+
+
+@pytest.mark.parametrize("steps, schedule_steps, warned", [(20, 0, True), (20, 10, False),
+                                                           (10, 0, False), (10, 12, True)])
+def test_a_resume_onto_another_schedule_length_says_so_once(straight, tmp_path, steps,
+                                                            schedule_steps, warned):
+  """Issue 32: resuming with another train.steps silently stretched warmup and decay."""
+  _, config, _, setup, _ = straight
+  workdir = _copy(straight, tmp_path)
+  config = config.copy_and_resolve_references()
+  config.train.steps, config.optimizer.schedule_steps = steps, schedule_steps
+  lines = []
+  checkpoints = checkpoint.Checkpoints(os.path.join(workdir, "checkpoints"))
+  resume.restore_or_init(config, setup, checkpoints, lines.append)
+  checkpoints.close()
+  assert lines[0] == f"restored step 10 from {workdir}/checkpoints"
+  if not warned:
+    assert lines[1:] == []
+    return
+  now = schedule_steps or steps
+  before, after = (float(step_lib.learning_rate_schedule(config.optimizer, n)(10))
+                   for n in (10, now))
+  assert before != after  # the lines below would not show a change
+  assert lines[1:] == [
+      f"warning: the learning-rate schedule was 10 steps long and is {now} now (train.steps or "
+      f"optimizer.schedule_steps changed): warmup and decay stretch, and step 11 trains at lr "
+      f"{after:.2e} instead of {before:.2e}; to keep the schedule the checkpoint trained on, "
+      f"add --config.optimizer.schedule_steps=10"]
