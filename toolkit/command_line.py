@@ -125,6 +125,8 @@ def explain_flag_error(error: Exception, argv: list[str]) -> str:
       config = _load_experiment(config_arg)
     except Exception as load_error:  # pylint: disable=broad-except
       return _experiment_error(config_arg, config_path, load_error)
+    if config is None:  # then an override fails on it, far from the cause
+      return returned_none(config_arg)
     if isinstance(config, ml_collections.ConfigDict):
       for flag, path in overrides:
         reason = _unknown_field(config, flag, path)
@@ -172,6 +174,13 @@ def missing_config_file(config_arg: str) -> str:
           f"{os.getcwd()}); give e.g. --config=experiments/lm.py:tiny")
 
 
+def returned_none(config_arg: str) -> str:
+  path = config_arg.split(":", 1)[0]
+  return (f"--config={config_arg}: get_config() in {path} returned None, not an "
+          f"ml_collections.ConfigDict (a missing return statement?); end get_config with "
+          f"`return config`")
+
+
 def _experiment_error(config_arg: str, config_path: str, error: BaseException) -> str:
   """The experiment's own message for get_config failing; its location if it is not a
   ValueError (then it is more likely a bug in the file than a bad variant)."""
@@ -205,10 +214,14 @@ def parse_flags(argv: list[str], config_flag=None, required: dict[str, str] | No
   help_for_console_script(argv)
   # absl's own parser prints "FATAL Flags parsing error" blocks and lets some config_flags
   # exceptions escape as tracebacks; every one of them becomes one line here.
+  absl_logger = std_logging.getLogger("absl")
+  absl_logger.addFilter(_drop_config_flags_records)
   try:
     rest = flags.FLAGS(argv)
   except Exception as e:  # pylint: disable=broad-except  # incl. a broken experiment file
     fail(explain_flag_error(e, argv), USAGE_EXIT)
+  finally:
+    absl_logger.removeFilter(_drop_config_flags_records)
   if commands and (len(rest) != 2 or rest[1] not in commands):
     given = f"got {' '.join(rest[1:])!r}" if len(rest) > 1 else "none given"
     fail(f"give one command first, {' or '.join(commands)} ({given}); see --help",
@@ -222,6 +235,8 @@ def parse_flags(argv: list[str], config_flag=None, required: dict[str, str] | No
       if config_required:
         fail("--config is required; give an experiment file and variant, e.g. "
              "--config=experiments/lm.py:tiny", USAGE_EXIT)
+    elif config_flag.value is None:
+      fail(returned_none(config_arg), USAGE_EXIT)
     elif not isinstance(config_flag.value, ml_collections.ConfigDict):
       # config_flags defers a file that failed to load (missing, unreadable) to first use.
       fail(missing_config_file(config_arg), USAGE_EXIT)
@@ -286,6 +301,13 @@ def define_runtime_flags():
       "compilation_cache", runtime.default_cache_dir(),
       "Folder of JAX's persistent compilation cache: a restart loads the compiled step from it "
       "instead of compiling again. --compilation_cache=off turns it off.")
+
+
+def _drop_config_flags_records(record: std_logging.LogRecord) -> bool:
+  """ml_collections' config_flags logs what it finds wrong with an experiment file (get_config()
+  returned None; a failed load) through absl while the flags are parsed, which also prints
+  absl's "Logging before flag parsing" line: parse_flags reports the same in its one line."""
+  return os.path.basename(record.pathname or "") != "config_flags.py"
 
 
 def _drop_orbax_errors(record: std_logging.LogRecord) -> bool:

@@ -28,9 +28,10 @@ def cli() -> None:
 
   Exit status: 0 when training finished or stopped on SIGTERM/SIGINT with a checkpoint;
   2 for a command-line mistake; 1 for a config, workdir or checkpoint mistake, a full or
-  read-only disk, a non-finite loss, or a peer process that failed or never started. Each prints
-  one `error:` line on stderr (docs/faults.md). When JAX's runtime itself ends a process
-  (process 0 died, or a peer stopped sending heartbeats) it exits on SIGABRT.
+  read-only disk, a non-finite loss, or a peer process that failed or never started; 130 after
+  a second SIGINT/SIGTERM, or Ctrl-C before the loop. Each prints one `error:` line on stderr
+  (docs/faults.md). When JAX's runtime itself ends a process (process 0 died, or a peer
+  stopped sending heartbeats) it exits on SIGABRT.
   """
   from absl import app, flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
@@ -85,31 +86,39 @@ def cli() -> None:
       raise
     if processes.process_count > 1:
       print(processes, flush=True)  # every process: one line each, to tell them apart
-    try:
-      loop.run(config, workdir_flag.value, sampler=text_lib.sample_after_training,
-               periodic=periodic.for_config(config))  # train.eval_tasks
-    except storage.StorageError as e:
-      command_line.fail(e, now=True)
-    except (ConfigError, sharding.ShardingError, loop.NonFiniteLoss) as e:
-      command_line.fail(e)
-    except jax.errors.JaxRuntimeError as e:
-      if processes.process_count == 1:
-        raise
-      distributed.abandon(e)
+    train(config, workdir_flag.value, processes.process_count)
 
-  def main_or_interrupted(argv) -> None:
-    # Ctrl-C outside the loop's own handling (start-up, compile, the final save and plots):
-    # one line instead of a KeyboardInterrupt traceback.
+  app.run(one_line_on_interrupt(main), flags_parser=lambda argv: command_line.parse_flags(
+      argv, config_flag, required={"workdir": "a directory for checkpoints and metrics, e.g. "
+                                               "--workdir=runs/lm"}))
+
+
+def train(config, workdir: str, process_count: int) -> None:
+  """`toolkit.training.run` with its failures as one `error:` line each."""
+  try:
+    loop.run(config, workdir, sampler=text_lib.sample_after_training,
+             periodic=periodic.for_config(config))  # train.eval_tasks
+  except storage.StorageError as e:
+    command_line.fail(e, now=True)
+  except (ConfigError, sharding.ShardingError, loop.NonFiniteLoss) as e:
+    command_line.fail(e)
+  except jax.errors.JaxRuntimeError as e:
+    if process_count == 1:
+      raise
+    distributed.abandon(e)
+
+
+def one_line_on_interrupt(main):
+  """`main`, with Ctrl-C outside the loop's own handling (start-up, compile, the final save
+  and plots) as one line and status 130 instead of a KeyboardInterrupt traceback."""
+  def interruptible(argv) -> None:
     try:
       main(argv)
     except KeyboardInterrupt:
       command_line.fail("interrupted (SIGINT) outside the training loop: nothing more was "
                         "saved, committed checkpoints are intact; rerun the same command to "
                         "resume", stop_signal.INTERRUPTED_EXIT, now=True)
-
-  app.run(main_or_interrupted, flags_parser=lambda argv: command_line.parse_flags(
-      argv, config_flag, required={"workdir": "a directory for checkpoints and metrics, e.g. "
-                                               "--workdir=runs/lm"}))
+  return interruptible
 
 
 if __name__ == "__main__":

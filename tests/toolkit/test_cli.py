@@ -29,6 +29,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = "--config=experiments/lm.py:tiny"
 MOE = "--config=experiments/moe.py:tiny"
 PLAN = pathlib.Path(__file__).parent / "fixtures" / "plan.json"  # as toolkit.compile --plan writes
+RETURNS_NONE = pathlib.Path(__file__).parent / "fixtures" / "returns_none.py"
 RUN_TIMEOUT_S = 300  # a tiny run takes ~15 s on 2 shared cores; generous for loaded machines
 MISTAKE_TIMEOUT_S = 120  # mistakes are caught before compiling: ~0.5 s each, 2-4 s in a new
                          # interpreter
@@ -220,6 +221,10 @@ MISTAKES = [
      ["--config=experiments/lm.py:nosuch", "unknown variant 'nosuch'", "choose from cpu, tiny"]),
     ("size_preset_unknown", ["--config=experiments/lm.py:size=huge", "--workdir={W}"],
      ["--config=experiments/lm.py:size=huge", "size='huge' is unknown", "choose from tiny"]),
+    # config_flags logged a warning of its own (and absl its "before flag parsing" line) first.
+    ("experiment_returns_none", [f"--config={RETURNS_NONE}", "--workdir={W}"],
+     [f"--config={RETURNS_NONE}: get_config() in {RETURNS_NONE} returned None, not an "
+      "ml_collections.ConfigDict", "end get_config with `return config`"]),
     ("override_wrong_type", [TINY, "--workdir={W}", "--config.train.steps=abc"],
      ["--config.train.steps=abc", "of type int", "give e.g. --config.train.steps=10"]),
     ("override_wrong_bool", [TINY, "--workdir={W}", "--config.train.transfer_guard=maybe"],
@@ -263,6 +268,15 @@ MISTAKES = [
      ["sharding.preset='nosuch'", "choose one of dp, fsdp"]),
     ("kv_heads_do_not_divide_heads", [TINY, "--workdir={W}", "--config.model.n_kv_heads=3"],
      ["model.n_heads=4", "model.n_kv_heads=3", "heads = k * kv_heads"]),
+    # Kernels that once failed in the first step, after the workdir was written: {W}/new must
+    # not appear.
+    ("attention_splash_lengths", [TINY, "--workdir={W}/new", "--config.model.attention=splash"],
+     ["model.attention='splash' needs sequence lengths that are multiples of 128",
+      "not data.seq_len=32", "use model.attention=auto, or data.seq_len=128"]),
+    ("attention_cudnn_without_a_gpu",
+     [TINY, "--workdir={W}/new", "--config.model.attention=cudnn"],
+     ["model.attention='cudnn'", "needs an NVIDIA GPU", "devices are CPUs",
+      "use model.attention=auto"]),
     ("microbatches_do_not_divide_batch", [TINY, "--workdir={W}", "--config.train.microbatches=3"],
      ["train.microbatches=3", "data.global_batch_size=16", "pick a micro-batch count"]),
     ("learning_rate_negative", [TINY, "--workdir={W}", "--config.optimizer.learning_rate=-0.1"],

@@ -39,6 +39,11 @@ def _log(message: str) -> None:
 
 def _placement(config: ml_collections.ConfigDict):
   """The run's own model, mesh and rules, or one device when its mesh does not fit here."""
+  if "attention" in config.model:
+    # Exporting runs no attention; the run's kernel may be another platform's (cudnn from a
+    # GPU), which the config check would refuse on this machine.
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.model.attention = "auto"
   try:
     spec = config_lib.resolve(config)
     return spec.model, spec.mesh, spec.rules

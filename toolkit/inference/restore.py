@@ -56,4 +56,8 @@ def single_device_config(saved: dict) -> ml_collections.ConfigDict:
   config.mesh.update(ici="data:1", dcn="")
   config.sharding.update(preset="dp", param_overrides="", activation_overrides="")
   config.data.global_batch_size = config.train.microbatches
+  if "attention" in config.model:
+    # Decoding keeps its own attention; the run's kernel may be another platform's (cudnn
+    # from a GPU), which the config check would refuse on this machine.
+    config.model.attention = "auto"
   return config

@@ -1,14 +1,20 @@
 """The range table (toolkit/training/config.py RANGES): every numeric field of the defaults and
 of every experiment variant has a row, their values lie inside it, and each value outside it is
-refused with one message naming the field, the value, the range and a value that works."""
+refused with one message naming the field, the value, the range and a value that works. And
+model.attention kernels that cannot run on the config's devices or lengths, refused alike."""
 import copy
+import dataclasses
 import math
 
+import jax
+import ml_collections
 import pytest
 
 from experiments import lm, moe, sft, vit
+from models import LlamaConfig
+from tests import extras
 from toolkit.errors import ConfigError
-from toolkit.training import config as config_lib
+from toolkit.training import config as config_lib, ranges
 
 # Every variant an experiment file offers (its docstring lists them).
 CONFIGS = {
@@ -34,7 +40,7 @@ def _set(config, path: str, value) -> None:
     node[name] = value
 
 
-def out_of_range(allowed: config_lib.Range) -> list:
+def out_of_range(allowed: ranges.Range) -> list:
   """Values just outside `allowed` on each finite side, and values no float field may take."""
   values = []
   if math.isfinite(allowed.low):
@@ -52,12 +58,12 @@ def out_of_range(allowed: config_lib.Range) -> list:
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_numeric_field_has_a_row_and_its_value_is_inside(name):
-  fields = config_lib.numeric_fields(CONFIGS[name]())
-  missing = sorted(set(fields) - set(config_lib.RANGES))
+  fields = ranges.numeric_fields(CONFIGS[name]())
+  missing = sorted(set(fields) - set(ranges.RANGES))
   assert not missing, (f"{name}: numeric fields without a row in RANGES "
                        f"(toolkit/training/config.py): {missing}; add one per field")
   outside = {path: value for path, value in fields.items()
-             if not config_lib.RANGES[path].contains(value)}
+             if not ranges.RANGES[path].contains(value)}
   assert not outside, f"{name}: values outside their range: {outside}"
   config_lib.check_ranges(CONFIGS[name]())  # passes
 
@@ -66,8 +72,8 @@ def test_every_numeric_field_has_a_row_and_its_value_is_inside(name):
 def test_each_value_outside_its_range_is_one_clear_error(name):
   config = CONFIGS[name]()
   checked = 0
-  for path in config_lib.numeric_fields(config):
-    allowed = config_lib.RANGES[path]
+  for path in ranges.numeric_fields(config):
+    allowed = ranges.RANGES[path]
     for bad in out_of_range(allowed):
       broken = copy.deepcopy(config)
       _set(broken, path, bad)
@@ -77,7 +83,7 @@ def test_each_value_outside_its_range_is_one_clear_error(name):
       assert message.startswith(f"{path}={bad!r} must be {allowed} ({allowed.meaning})"), message
       assert "\n" not in message
       checked += 1
-  assert checked >= 3 * len(config_lib.numeric_fields(config))
+  assert checked >= 3 * len(ranges.numeric_fields(config))
 
 
 def test_the_fix_names_a_value_inside_the_range():
@@ -101,7 +107,88 @@ def test_resolve_checks_ranges_before_anything_else():
 
 
 def test_range_text():
-  assert str(config_lib.RANGES["optimizer.b1"]) == "a finite number in [0, 1)"
-  assert str(config_lib.RANGES["optimizer.eps"]) == "a finite number > 0"
-  assert str(config_lib.RANGES["train.steps"]) == "an integer in [1, 2**31 - 1]"
-  assert str(config_lib.RANGES["data.eval_fraction"]) == "a finite number in (0, 1)"
+  assert str(ranges.RANGES["optimizer.b1"]) == "a finite number in [0, 1)"
+  assert str(ranges.RANGES["optimizer.eps"]) == "a finite number > 0"
+  assert str(ranges.RANGES["train.steps"]) == "an integer in [1, 2**31 - 1]"
+  assert str(ranges.RANGES["data.eval_fraction"]) == "a finite number in (0, 1)"
+
+
+# --- model.attention: kernels that cannot run on the devices or the lengths -----------------
+
+def test_attention_that_cannot_run_here_is_refused_by_resolve():
+  """splash at data.seq_len 32 and cudnn on CPU devices once failed in the first step, after
+  the workdir was written (issue 32); splash at multiples of 128 runs on a CPU in Pallas
+  interpret mode, as the tests run it."""
+  def config(attention, seq_len):
+    c = lm.get_config("tiny")
+    c.model.attention, c.data.seq_len = attention, seq_len
+    return c
+
+  for seq_len, fix in ((32, 128), (200, 256)):
+    with pytest.raises(ConfigError, match=(
+        rf"^model\.attention='splash' needs sequence lengths that are multiples of 128 \(the "
+        rf"kernel's blocks\), not data\.seq_len={seq_len}; use model\.attention=auto, or "
+        rf"data\.seq_len={fix}$")):
+      config_lib.resolve(config("splash", seq_len))
+  with pytest.raises(ConfigError, match=(
+      r"^model\.attention='cudnn' is cuDNN's fused attention, which needs an NVIDIA GPU; the "
+      r"mesh's devices are CPUs; use model\.attention=auto \(it picks what runs on CPU\)$")):
+    config_lib.resolve(config("cudnn", 128))
+  for seq_len in (128, 384):
+    config_lib.resolve(config("splash", seq_len))
+
+
+def test_cudnn_limits_on_a_gpu_and_a_tpu():
+  """The GPU's own limits (cuDNN's fused attention, jax 0.10): 16-bit inputs, head_dim a
+  multiple of 8 up to 128, even lengths when the documents' mask goes in as a bias."""
+  check = config_lib._check_attention  # pylint: disable=protected-access
+  data = config_lib.defaults().data  # seq_len 128
+  model = LlamaConfig.preset("tiny", attention="cudnn")  # float32, head_dim 8
+  with pytest.raises(ConfigError, match=(
+      r"not model\.compute_dtype='float32' with head_dim 8; set model\.compute_dtype=bfloat16, "
+      r"or model\.attention=auto$")):
+    check(model, "gpu", data)
+  bf16 = dataclasses.replace(model, compute_dtype="bfloat16")
+  check(bf16, "gpu", data)
+  with pytest.raises(ConfigError, match=r"head_dim 160; set a model\.head_dim that is a "
+                                        r"multiple of 8 up to 128, or model\.attention=auto$"):
+    check(dataclasses.replace(bf16, head_dim=160), "gpu", data)
+  packed = ml_collections.ConfigDict({**data.to_dict(), "source": "tokens", "packing": True,
+                                      "seq_len": 127})
+  with pytest.raises(ConfigError, match=r"needs an even data\.seq_len, not 127; use "
+                                        r"data\.seq_len=128 or model\.attention=auto$"):
+    check(bf16, "gpu", packed)
+  with pytest.raises(ConfigError, match=r"the mesh's devices are TPUs; use model\.attention=auto"):
+    check(bf16, "tpu", data)
+  check(dataclasses.replace(bf16, attention="splash"), "tpu", data)
+
+
+@pytest.mark.tpu_aot
+def test_compile_targets_are_checked_as_their_own_platform():
+  """toolkit.compile resolves on a TPU target's devices from a CPU: splash is the TPU's own
+  kernel there, cudnn is refused as on any other non-GPU."""
+  extras.require("libtpu")
+  from toolkit.pod import target as target_lib  # pylint: disable=g-import-not-at-top
+  devices = list(target_lib.target_for("v5p-8").devices)
+  config = lm.get_config("tiny")
+  config.data.seq_len = 128
+  config.model.attention = "splash"
+  config_lib.resolve(config, devices)
+  config.model.attention = "cudnn"
+  with pytest.raises(ConfigError, match=r"needs an NVIDIA GPU; the mesh's devices are TPUs"):
+    config_lib.resolve(config, devices)
+
+
+def test_the_saved_config_of_a_gpu_run_still_samples_and_exports_here():
+  """toolkit.sample and toolkit.convert export read the run's saved config, which the user
+  cannot override; neither runs model.attention, so a GPU run's cudnn is no reason to refuse
+  them on a CPU, while training with it here is refused."""
+  from toolkit.conversion import exporter  # pylint: disable=g-import-not-at-top
+  from toolkit.inference import restore  # pylint: disable=g-import-not-at-top
+  config = lm.get_config("tiny")
+  config.model.update(attention="cudnn", compute_dtype="bfloat16")
+  saved = config.to_dict()
+  with pytest.raises(ConfigError, match=r"needs an NVIDIA GPU"):
+    config_lib.resolve(ml_collections.ConfigDict(saved))
+  config_lib.resolve(restore.single_device_config(saved), jax.devices()[:1])
+  exporter._placement(ml_collections.ConfigDict(saved))  # pylint: disable=protected-access
