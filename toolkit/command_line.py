@@ -291,6 +291,7 @@ def quiet_logging() -> None:
     # tensorboardX warns per NaN scalar; the loop's own non-finite check says it in one line.
     std_logging.getLogger("tensorboardX").setLevel(std_logging.ERROR)
     std_logging.getLogger("absl").addFilter(_drop_orbax_errors)
+    std_logging.getLogger("asyncio").addFilter(_drop_unretrieved_orbax_tasks)
     sys.unraisablehook = _without_late_io_callbacks(sys.unraisablehook)
 
 
@@ -313,6 +314,17 @@ def _drop_config_flags_records(record: std_logging.LogRecord) -> bool:
 def _drop_orbax_errors(record: std_logging.LogRecord) -> bool:
   return not (record.levelno >= std_logging.ERROR
               and f"{os.sep}orbax{os.sep}" in (record.pathname or ""))
+
+
+def _drop_unretrieved_orbax_tasks(record: std_logging.LogRecord) -> bool:
+  """asyncio's "Task exception was never retrieved" for a task of Orbax's that failed on the
+  disk (a full disk during a save): Orbax raises the same failure, which the command reports
+  in one line; the record would print its traceback (~18 lines) before that line."""
+  error = record.exc_info[1] if record.exc_info else None
+  if not str(record.msg).startswith("Task exception was never retrieved") or error is None:
+    return True
+  frames = traceback.extract_tb(error.__traceback__)
+  return not any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in frames)
 
 
 def _without_late_io_callbacks(hook):

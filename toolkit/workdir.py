@@ -14,12 +14,15 @@ bucket name is one line, not a 60-second client stall.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
 import shutil
 import sys
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 SCHEMES = ("gs",)
 # What a multi-host run's workdir must be.
@@ -31,6 +34,43 @@ REACH_SECONDS = 15.0
 CREDENTIALS_FIX = ("give this machine Cloud Storage credentials: `gcloud auth application-default "
                    "login` on a workstation, a service account on a VM "
                    "(GOOGLE_APPLICATION_CREDENTIALS=key.json)")
+
+
+# How long one storage call (a read, a listing, a whole-file write of metrics, config, plots,
+# TensorBoard events) may take before it counts as hung: an object store that stops answering
+# leaves the client waiting forever (gcsfs has no deadline of its own). Runs set it from
+# train.storage_timeout_s (`set_deadline`).
+DEFAULT_DEADLINE_S = 120.0
+_deadline_s = DEFAULT_DEADLINE_S
+T = TypeVar("T")
+
+
+def set_deadline(seconds: float) -> None:
+  global _deadline_s  # pylint: disable=global-statement
+  _deadline_s = float(seconds)
+
+
+def bounded(function: Callable[[], T], what: str) -> T:
+  """function() in a daemon thread for at most the deadline: its result, or what it raised;
+  past the deadline TimeoutError (errno ETIMEDOUT, "no answer within N s") naming `what`,
+  the call left running (a daemon thread cannot hold the process at exit)."""
+  outcome: list = []
+
+  def target():
+    try:
+      outcome.append((True, function()))
+    except BaseException as e:  # pylint: disable=broad-except  # handed back to the caller
+      outcome.append((False, e))
+
+  thread = threading.Thread(target=target, name=f"storage: {what}", daemon=True)
+  thread.start()
+  thread.join(_deadline_s)
+  if not outcome:
+    raise TimeoutError(errno.ETIMEDOUT, f"no answer within {_deadline_s:g} s", what)
+  ok, value = outcome[0]
+  if not ok:
+    raise value
+  return value
 
 
 def is_url(path: str) -> bool:
@@ -54,15 +94,20 @@ def path(name: str):
 
 
 def exists(name: str) -> bool:
-  return path(name).exists()
+  return _remote(lambda: path(name).exists(), name)
 
 
 def isdir(name: str) -> bool:
-  return path(name).is_dir()
+  return _remote(lambda: path(name).is_dir(), name)
 
 
 def isfile(name: str) -> bool:
-  return path(name).is_file()
+  return _remote(lambda: path(name).is_file(), name)
+
+
+def _remote(function: Callable[[], T], name: str) -> T:
+  """A call on an object store runs within the deadline (`bounded`); on a local disk as is."""
+  return bounded(function, name) if is_url(name) else function()
 
 
 def makedirs(name: str) -> None:
@@ -73,7 +118,7 @@ def makedirs(name: str) -> None:
 
 
 def read_text(name: str) -> str:
-  return path(name).read_text()
+  return _remote(lambda: path(name).read_text(), name)
 
 
 def write_text(name: str, text: str) -> None:
@@ -83,6 +128,12 @@ def write_text(name: str, text: str) -> None:
 
 
 def write_bytes(name: str, data: bytes) -> None:
+  """Within the deadline (`bounded`) on an object store and on a local disk alike (a network
+  file system can hang too)."""
+  bounded(lambda: _write_bytes(name, data), name)
+
+
+def _write_bytes(name: str, data: bytes) -> None:
   if is_url(name):
     path(name).write_bytes(data)
     return

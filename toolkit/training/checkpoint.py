@@ -202,7 +202,9 @@ class Checkpoints:
       if isinstance(waited, TimeoutError):
         return  # still writing: leave it; its temporary folder is removed at the next start
       storage.call_bounded(self.manager.close, timeout_s, "closing the checkpoint manager")
-      storage.remove_partial(self.directory)
+      # A store that stopped answering would hold the listing forever.
+      storage.call_bounded(lambda: storage.remove_partial(self.directory), timeout_s,
+                           "removing partial saves")
       return
     try:
       self.wait()

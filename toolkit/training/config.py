@@ -77,7 +77,10 @@ def defaults() -> ml_collections.ConfigDict:
       # lm-evaluation-harness tasks (names or local task YAML files, comma separated) run on
       # the parameters in memory every eval_tasks_every steps, eval_tasks_limit examples per
       # task (0: all); toolkit/evaluation/periodic.py. '' is off.
-      eval_tasks="", eval_tasks_every=100, eval_tasks_limit=0))
+      eval_tasks="", eval_tasks_every=100, eval_tasks_limit=0,
+      # Seconds one write outside Orbax (metrics, TensorBoard, config, plots) or one read of an
+      # object store may take before it is a storage error (toolkit/workdir.py `bounded`).
+      storage_timeout_s=120.0))
   return c
 
 

@@ -77,6 +77,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
   # --- setup: validate everything before touching the workdir --------------------------------
   with goodput.phase("startup"):
     setup = build(config, devices)
+    workdir_lib.set_deadline(config.train.get("storage_timeout_s",
+                                              workdir_lib.DEFAULT_DEADLINE_S))
     programs = programs_lib.for_run(config, setup.spec.mesh)  # a restart reads them back
     hf_folder = init_from.source(config, setup.spec.model, workdir)  # checked, or None
     prepare_workdir(workdir, checkpoint_bytes(setup))

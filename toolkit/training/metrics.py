@@ -135,6 +135,7 @@ class MetricWriter:
     self._lines: list[str] | None = None  # gs://: every line of metrics.jsonl
     self._staging: tempfile.TemporaryDirectory | None = None  # gs://: the local event file
     self._start_step = start_step
+    self._where = self.path  # what a failed write names: metrics.jsonl or tensorboard/
     self.dropped: list[int] = []
     if self.enabled and start_step is not None:
       self._drop_after(start_step)
@@ -165,41 +166,46 @@ class MetricWriter:
                                  f"{storage.fix(e)}") from None
 
   def write(self, step: int, kind: str, values: dict[str, float]) -> None:
+    """Appends the record and its scalars within the storage deadline (workdir.bounded: a
+    disk or object store that stops answering is an error, not a hang)."""
     if not self.enabled:
       return
-    summary, EventsWriter, event_pb2 = tensorboardx_modules()  # pylint: disable=invalid-name
-    where = self.path
+    self._where = self.path
     try:
-      line = json.dumps({"step": step, "kind": kind, **values}) + "\n"
-      if self._remote:
-        if self._lines is None:
-          self._lines = ([f"{l}\n" for l in workdir_lib.read_text(self.path).splitlines()]
-                         if workdir_lib.exists(self.path) else [])
-        self._lines.append(line)
-        workdir_lib.write_text(self.path, "".join(self._lines))
-      else:
-        with open(self.path, "a") as f:
-          f.write(line)
-      where = self._tensorboard
-      if self._events is None:
-        self._events = EventsWriter(os.path.join(self._events_folder(), "events"))
-        if self._start_step:  # a resume: TensorBoard forgets what an earlier run wrote after it
-          self._events.write_event(event_pb2.Event(
-              wall_time=time.time(), step=self._start_step + 1,
-              session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
-      for name, value in values.items():
-        self._events.write_event(event_pb2.Event(
-            wall_time=time.time(), step=step, summary=summary.scalar(f"{kind}/{name}", value)))
-      self._events.flush()
-      if self._remote:
-        local = self._events._file_name  # pylint: disable=protected-access
-        with open(local, "rb") as f:
-          workdir_lib.write_bytes(workdir_lib.join(self._tensorboard, os.path.basename(local)),
-                                  f.read())
+      workdir_lib.bounded(lambda: self._write(step, kind, values), self.path)
     except OSError as e:
-      raise storage.StorageError(f"metrics could not be written to {where} "
+      raise storage.StorageError(f"metrics could not be written to {self._where} "
                                  f"({storage.cause(e)}); {storage.fix(e)}, then rerun the same "
                                  f"command to resume from the latest checkpoint") from None
+
+  def _write(self, step: int, kind: str, values: dict[str, float]) -> None:
+    summary, EventsWriter, event_pb2 = tensorboardx_modules()  # pylint: disable=invalid-name
+    line = json.dumps({"step": step, "kind": kind, **values}) + "\n"
+    if self._remote:
+      if self._lines is None:
+        self._lines = ([f"{l}\n" for l in workdir_lib.read_text(self.path).splitlines()]
+                       if workdir_lib.exists(self.path) else [])
+      self._lines.append(line)
+      workdir_lib.write_text(self.path, "".join(self._lines))
+    else:
+      with open(self.path, "a") as f:
+        f.write(line)
+    self._where = self._tensorboard
+    if self._events is None:
+      self._events = EventsWriter(os.path.join(self._events_folder(), "events"))
+      if self._start_step:  # a resume: TensorBoard forgets what an earlier run wrote after it
+        self._events.write_event(event_pb2.Event(
+            wall_time=time.time(), step=self._start_step + 1,
+            session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+    for name, value in values.items():
+      self._events.write_event(event_pb2.Event(
+          wall_time=time.time(), step=step, summary=summary.scalar(f"{kind}/{name}", value)))
+    self._events.flush()
+    if self._remote:
+      local = self._events._file_name  # pylint: disable=protected-access
+      with open(local, "rb") as f:
+        workdir_lib.write_bytes(workdir_lib.join(self._tensorboard, os.path.basename(local)),
+                                f.read())
 
   def _events_folder(self) -> str:
     if not self._remote:

@@ -23,7 +23,10 @@ from toolkit.errors import ConfigError
 _FIX = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "raise the disk quota",
         errno.EROFS: "mount it writable or choose another --workdir",
         errno.EACCES: "make it writable for this user or choose another --workdir",
-        errno.EPERM: "make it writable for this user or choose another --workdir"}
+        errno.EPERM: "make it writable for this user or choose another --workdir",
+        # workdir.bounded's deadline (train.storage_timeout_s) passed
+        errno.ETIMEDOUT: "check the network and the storage service (STORAGE_EMULATOR_HOST, "
+                         "if set) or raise train.storage_timeout_s"}
 _OS_ERROR_CODE = re.compile(r"\[os_error_code='?(\d+)'?\]|\[Errno (\d+)\]")
 # Folders Orbax writes into before it renames them to the step's name (local disks).
 _TEMPORARY = ".orbax-checkpoint-tmp"
@@ -54,6 +57,8 @@ def cause(error: BaseException) -> str:
   """One short phrase for why `error` happened: the OS's words when there is an errno, else
   the first line of the innermost exception it chains to (Orbax wraps TensorStore's errors in
   messages that print the whole TensorStore spec)."""
+  if isinstance(error, TimeoutError) and error.strerror:
+    return error.strerror  # workdir.bounded's "no answer within N s"
   code = os_error_code(error)
   if code is not None:
     return os.strerror(code)

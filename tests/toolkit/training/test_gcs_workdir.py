@@ -249,3 +249,48 @@ def test_a_two_process_pod_writes_one_bucket_workdir_that_restores_on_one(gcs_se
   np.testing.assert_allclose([losses[s] for s in sorted(losses)],
                              [expected[s] for s in sorted(expected)], **TOLERANCE)
   assert_trees_close(_params(url, 20), _params(local, 20), **TOLERANCE)  # restored on 1 x 8
+
+
+@pytest.mark.slow  # a run, then the deadline and the bounded waits after it: ~30 s
+def test_a_store_that_stops_answering_mid_run_is_one_error_within_the_deadline(tmp_path):
+  """Issue 32: with the emulator stopped (SIGSTOP: connections accepted, nothing answered) the
+  run sat at 0 % CPU for minutes inside a metrics upload. Now the write's deadline
+  (train.storage_timeout_s) ends it: one error line naming the file, a non-zero exit."""
+  server = gcs_emulator.Emulator(str(tmp_path / "gcs"))  # its own: this test stops it
+  try:
+    bucket = server.new_bucket()
+    url = f"gs://{bucket}/run"
+    command = [sys.executable, "-m", "toolkit.train", *COMMON, "--config.train.steps=1000000",
+               "--config.train.checkpoint_every=1000000", "--config.train.storage_timeout_s=3",
+               f"--workdir={url}"]
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as log:
+      process = subprocess.Popen(command, cwd=REPO, env={**os.environ, **server.env},
+                                 stdout=log, stderr=subprocess.STDOUT)
+      try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while "step 10/" not in log_path.read_text():
+          assert process.poll() is None, log_path.read_text()[-3000:]
+          assert time.monotonic() < deadline, "no progress line before the deadline"
+          time.sleep(0.1)
+        os.kill(server.process.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        returncode = process.wait(timeout=120)
+        seconds = time.monotonic() - stopped
+      finally:
+        if process.poll() is None:
+          process.kill()
+          process.wait(timeout=30)
+  finally:
+    os.kill(server.process.pid, signal.SIGCONT)
+    server.stop()
+  output = log_path.read_text()
+  assert returncode == 1, output[-3000:]
+  assert "Traceback" not in output
+  errors = [line for line in output.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1, output[-3000:]
+  assert errors[0].startswith(f"error: metrics could not be written to {url}/"), errors[0]
+  assert "(no answer within 3 s); check the network and the storage service" in errors[0]
+  # The write's deadline, then at most the bounded wait for the checkpoint manager after a
+  # storage failure (loop.WAIT_AFTER_STORAGE_FAILURE_S).
+  assert seconds < 3 + 10 + 20, f"{seconds:.1f} s"

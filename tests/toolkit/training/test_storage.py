@@ -23,7 +23,7 @@ import pytest
 from tests import preloaded
 from tests.tiny_runs import tiny_config
 from tests.toolkit.test_cli import RUN_TIMEOUT_S, TINY, _env, checkpoint_steps, the_error_line
-from toolkit import training
+from toolkit import training, workdir as workdir_lib
 from toolkit.training import checkpoint, loop, metrics, storage
 
 FAULT_TO_EXIT_S = 60
@@ -180,6 +180,42 @@ def test_metrics_and_tensorboard_write_failures_are_one_storage_error(tmp_path):
   assert threading.active_count() == threads  # no writer thread that could block exit
 
 
+def test_storage_calls_run_within_the_deadline(monkeypatch):
+  monkeypatch.setattr(workdir_lib, "_deadline_s", 0.3)
+  assert workdir_lib.bounded(lambda: 7, "x") == 7
+  with pytest.raises(KeyError):
+    workdir_lib.bounded(lambda: {}["k"], "x")
+  release = threading.Event()
+  start = time.monotonic()
+  with pytest.raises(TimeoutError) as raised:
+    workdir_lib.bounded(release.wait, "gs://b/w/metrics.jsonl")
+  release.set()
+  assert 0.3 <= time.monotonic() - start < 5
+  assert (raised.value.errno, raised.value.strerror, raised.value.filename) == (
+      errno.ETIMEDOUT, "no answer within 0.3 s", "gs://b/w/metrics.jsonl")
+
+
+def test_a_metrics_write_that_hangs_is_one_storage_error_after_the_deadline(tmp_path,
+                                                                            monkeypatch):
+  """Issue 32: a store that stopped answering held the run at 0 % CPU for minutes inside a
+  metrics write. Here the hang is a named pipe in metrics.jsonl's place: opening it to append
+  blocks until a reader comes, as a write to a disk or object store that never answers."""
+  monkeypatch.setattr(workdir_lib, "_deadline_s", 0.5)
+  writer = metrics.MetricWriter(str(tmp_path))
+  fifo = tmp_path / "metrics.jsonl"
+  os.mkfifo(fifo)
+  start = time.monotonic()
+  with pytest.raises(storage.StorageError) as raised:
+    writer.write(1, "train", {"loss": 2.0})
+  assert time.monotonic() - start < 5
+  assert str(raised.value) == (
+      f"metrics could not be written to {fifo} (no answer within 0.5 s); check the network and "
+      f"the storage service (STORAGE_EMULATOR_HOST, if set) or raise train.storage_timeout_s, "
+      f"then rerun the same command to resume from the latest checkpoint")
+  os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # lets the hung write finish
+  writer.close()
+
+
 def test_a_plot_that_cannot_be_written_is_a_warning(tmp_path, capsys):
   (tmp_path / "metrics.jsonl").write_text('{"step": 1, "kind": "train", "loss": 2.0}\n'
                                           '{"step": 2, "kind": "tra')  # cut short by a full disk
@@ -228,3 +264,37 @@ def test_the_late_io_callback_race_is_not_printed():
   hook(types.SimpleNamespace(exc_type=RuntimeError, exc_value=other, exc_traceback=None,
                              object=None))
   assert seen == [other]
+
+
+def _failed_task_logs(filename: str, caplog) -> list[str]:
+  """What asyncio logs for a task that failed with ENOSPC and was never awaited, its coroutine
+  compiled as if it lived in `filename`."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  import gc  # pylint: disable=g-import-not-at-top
+  import logging  # pylint: disable=g-import-not-at-top
+  from toolkit import command_line  # pylint: disable=g-import-not-at-top
+  namespace = {}
+  exec(compile("async def save():\n  raise OSError(28, 'No space left on device')\n",  # pylint: disable=exec-used
+               filename, "exec"), namespace)
+  asyncio_logger = logging.getLogger("asyncio")
+  asyncio_logger.addFilter(command_line._drop_unretrieved_orbax_tasks)  # pylint: disable=protected-access
+  event_loop = asyncio.new_event_loop()
+  try:
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+      caplog.clear()
+      task = event_loop.create_task(namespace["save"]())
+      event_loop.run_until_complete(asyncio.sleep(0.01))
+      del task
+      gc.collect()  # the task's finalizer reports the exception nobody retrieved
+      return [record.getMessage() for record in caplog.records]
+  finally:
+    event_loop.close()
+    asyncio_logger.removeFilter(command_line._drop_unretrieved_orbax_tasks)  # pylint: disable=protected-access
+
+
+def test_an_orbax_task_that_failed_on_a_full_disk_prints_no_traceback(caplog):
+  """Issue 32: a disk that filled during a save sometimes printed asyncio's "Task exception was
+  never retrieved" with an 18-line traceback before the run's one error line."""
+  assert _failed_task_logs("/site-packages/orbax/checkpoint/_src/save.py", caplog) == []
+  assert [m.splitlines()[0] for m in _failed_task_logs("/elsewhere/job.py", caplog)] == [
+      "Task exception was never retrieved"]  # anyone else's: still shown
