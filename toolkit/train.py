@@ -28,8 +28,9 @@ def cli() -> None:
 
   Exit status: 0 when training finished or stopped on SIGTERM/SIGINT with a checkpoint;
   2 for a command-line mistake; 1 for a config, workdir or checkpoint mistake, a full or
-  read-only disk, a non-finite loss, or a peer process that failed or never started; 130 after
-  a second SIGINT/SIGTERM, or Ctrl-C before the loop. Each prints one `error:` line on stderr
+  read-only disk, a non-finite loss, or a peer process that failed or never started; 75 when
+  the hang watchdog ended a process (docs/pods.md); 130 after a second SIGINT/SIGTERM, or
+  Ctrl-C before the loop. Each prints one `error:` line on stderr
   (docs/faults.md). When JAX's runtime itself ends a process (process 0 died, or a peer
   stopped sending heartbeats) it exits on SIGABRT.
   """

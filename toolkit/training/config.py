@@ -78,6 +78,10 @@ def defaults() -> ml_collections.ConfigDict:
       # the parameters in memory every eval_tasks_every steps, eval_tasks_limit examples per
       # task (0: all); toolkit/evaluation/periodic.py. '' is off.
       eval_tasks="", eval_tasks_every=100, eval_tasks_limit=0,
+      # Seconds without progress (a step completing, an eval, a save) after the first step
+      # before the process dumps its threads' stacks and exits 75 (toolkit/training/
+      # watchdog.py); 0 is off.
+      hang_timeout_s=600.0,
       # Seconds one write outside Orbax (metrics, TensorBoard, config, plots) or one read of an
       # object store may take before it is a storage error (toolkit/workdir.py `bounded`).
       storage_timeout_s=120.0))

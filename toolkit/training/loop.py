@@ -24,6 +24,7 @@ from toolkit.training import programs as programs_lib, resume
 from toolkit.training import state as state_lib, step as step_lib, storage, tasks
 from toolkit.training.setup import Setup, build, peak_flops_total, units_of, work_per_step
 from toolkit.training.stop_signal import StopSignal
+from toolkit.training import watchdog as watchdog_lib
 
 
 class NonFiniteLoss(RuntimeError):
@@ -113,21 +114,26 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
                 programs=programs, periodic=tuple(periodic),
                 profiler=profiler_lib.StepProfiler(profiler_lib.parse_profile_steps(
                     config.train.get("profile_steps", ""), config.train.steps), workdir, log))
+  current.watchdog = watchdog_lib.Watchdog.for_run(config, workdir)  # armed by the first step
   try:
     state = train_loop(current, state, train_step, start_step, data_position)
   except BaseException as e:
+    current.watchdog.stop()  # a failure, not a hang: close_outputs bounds its own waits
     close_outputs(current, failure=e)
     raise
   try:
     close_outputs(current)
+    current.watchdog.beat("the last checkpoint written")
     # --- finish: plots, a sample, where the time went ----------------------------------------
     current.result.step_traces = setup.step.traces
     write_plots(current, workdir)
     if sampler is not None and not current.result.stopped_early:
       current.result.sample = sampler(config, setup, state)
+      current.watchdog.beat("the sample")
     log(f"checkpoint: {os.path.join(checkpoints.directory, str(current.result.final_step))}")
     write_goodput(current)
   finally:
+    current.watchdog.stop()
     current.writer.close()
   return current.result
 
@@ -181,6 +187,7 @@ def log_setup(config: ml_collections.ConfigDict, setup: Setup) -> None:
                                     config.sharding.replicated_action)
   if warning:
     log(f"warning: {warning}")
+  log(watchdog_lib.describe(config))
 
 
 # --- compile --------------------------------------------------------------------------------
@@ -219,6 +226,7 @@ class Run:
       default_factory=lambda: profiler_lib.StepProfiler(None, ""))
   programs: programs_lib.Programs | None = None
   periodic: tuple[Every, ...] = ()
+  watchdog: watchdog_lib.Watchdog = dataclasses.field(default_factory=watchdog_lib.Watchdog)
 
   def __post_init__(self):
     self.units_per_step, self.flops_per_step = work_per_step(self.config, self.setup)
@@ -255,6 +263,7 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
         done = current + 1
         run_.profiler.after_step(done, step_metrics)
         pending.append((done, step_metrics))
+        run_.watchdog.step(done, step_metrics)  # progress once its metrics are computed
         at_end = done == total_steps
         # Read the stop flag once per step: a signal that lands during this step's flush, eval
         # or save is acted on next step, so "stopped" always means "flushed and saved".
@@ -266,11 +275,14 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
           flush(run_, pending, interval)
         if done % t.eval_every == 0 or at_end:
           evaluate(run_, state, done)
+          run_.watchdog.beat(f"eval at step {done}")
         due = [work for work in run_.periodic if done % work.steps == 0 or at_end]
         for work in due:
           work.fn(run_, state, done)
+          run_.watchdog.beat(f"periodic work at step {done}")
         if save_now:
           save(run_, done, state, batch_iter.position())
+          run_.watchdog.beat(f"checkpoint save at step {done}")
         if done % t.eval_every == 0 or save_now or due:
           interval.restart()  # step time excludes eval and checkpoint work
         run_.result.final_step = done

@@ -148,6 +148,8 @@ RANGES: dict[str, Range] = {
                                       "over all classes", high_open=True),
     "train.eval_tasks_every": count("steps between runs of train.eval_tasks"),
     "train.eval_tasks_limit": count("examples per task of train.eval_tasks; 0 is all", low=0),
+    "train.hang_timeout_s": Range(0.0, meaning="seconds without progress before a process "
+                                               "counts as hung and exits 75; 0 is off"),
     "train.storage_timeout_s": positive("seconds one metrics, config or plot write (or one "
                                         "object-store read) may take"),
 }
