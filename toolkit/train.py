@@ -7,6 +7,7 @@ The flags live here and nowhere else; the work is `toolkit.training.run(config, 
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import jax
@@ -97,8 +98,11 @@ def cli() -> None:
 def train(config, workdir: str, process_count: int) -> None:
   """`toolkit.training.run` with its failures as one `error:` line each."""
   try:
-    loop.run(config, workdir, sampler=text_lib.sample_after_training,
-             periodic=periodic.for_config(config))  # train.eval_tasks
+    result = loop.run(config, workdir, sampler=text_lib.sample_after_training,
+                      periodic=periodic.for_config(config))  # train.eval_tasks
+    if result.interrupted:  # Ctrl-C twice: saved; Orbax's threads need not be waited for
+      sys.stdout.flush()
+      os._exit(stop_signal.INTERRUPTED_EXIT)  # pylint: disable=protected-access
   except storage.StorageError as e:
     command_line.fail(e, now=True)
   except (ConfigError, sharding.ShardingError, loop.NonFiniteLoss) as e:

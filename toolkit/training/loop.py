@@ -52,6 +52,8 @@ class RunResult:
   # (excluding eval and checkpoints): their ratio is the data-wait fraction of step time.
   data_wait_seconds: float = 0.0
   step_seconds: float = 0.0
+  # Stopped by a second SIGINT/SIGTERM: saved, then ended without plots, sample or goodput.
+  interrupted: bool = False
 
 
 # A function the caller passes to sample text from the trained state at the end of a run
@@ -115,14 +117,28 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
                 profiler=profiler_lib.StepProfiler(profiler_lib.parse_profile_steps(
                     config.train.get("profile_steps", ""), config.train.steps), workdir, log))
   current.watchdog = watchdog_lib.Watchdog.for_run(config, workdir)  # armed by the first step
+  # SIGTERM/SIGINT stop the loop after a step and save; the handlers stay until that save is
+  # committed, so a second signal there still waits for it (stop_signal.py).
+  with StopSignal() as stop:
+    try:
+      state = train_loop(current, state, train_step, start_step, data_position, stop)
+    except BaseException as e:
+      current.watchdog.stop()  # a failure, not a hang: close_outputs bounds its own waits
+      close_outputs(current, failure=e)
+      raise
+    try:
+      close_outputs(current)
+    except BaseException:
+      current.watchdog.stop()
+      current.writer.close()
+      raise
+  if stop.urgent:  # the second signal: saved, and no more
+    current.watchdog.stop()
+    current.writer.close()
+    current.result.interrupted = True
+    log(f"checkpoint saved at step {current.result.final_step}; exiting on the second signal")
+    return current.result
   try:
-    state = train_loop(current, state, train_step, start_step, data_position)
-  except BaseException as e:
-    current.watchdog.stop()  # a failure, not a hang: close_outputs bounds its own waits
-    close_outputs(current, failure=e)
-    raise
-  try:
-    close_outputs(current)
     current.watchdog.beat("the last checkpoint written")
     # --- finish: plots, a sample, where the time went ----------------------------------------
     current.result.step_traces = setup.step.traces
@@ -235,7 +251,8 @@ class Run:
     self.units = units_of(self.config, self.setup)
 
 
-def train_loop(run_: Run, state, train_step, start_step: int, data_position: dict | None):
+def train_loop(run_: Run, state, train_step, start_step: int, data_position: dict | None,
+               stop: StopSignal):
   """Steps from `start_step` to train.steps, with log/eval/checkpoint every N steps; stops
   after a step on SIGTERM/SIGINT (saved). Returns the final state."""
   config, total_steps = run_.config, run_.config.train.steps
@@ -251,7 +268,7 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
   one_step_in_flight = run_.setup.spec.mesh.devices.flat[0].platform == "cpu"
   guard = "disallow" if t.transfer_guard else "allow"
   try:
-    with StopSignal() as stop, jax.transfer_guard(guard):
+    with jax.transfer_guard(guard):
       for current in range(start_step, total_steps):
         batch = interval.wait_for(batch_iter)
         if one_step_in_flight:
@@ -273,10 +290,14 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
         # log_every steps.
         if done % t.log_every == 0 or save_now or done == start_step + 1:
           flush(run_, pending, interval)
-        if done % t.eval_every == 0 or at_end:
+        # A second signal: straight to the save (one process only: eval and periodic work
+        # are collectives the other processes would run).
+        hurry = stopping and stop.urgent and not stop.multiprocess
+        if (done % t.eval_every == 0 or at_end) and not hurry:
           evaluate(run_, state, done)
           run_.watchdog.beat(f"eval at step {done}")
-        due = [work for work in run_.periodic if done % work.steps == 0 or at_end]
+        due = [] if hurry else [work for work in run_.periodic
+                                if done % work.steps == 0 or at_end]
         for work in due:
           work.fn(run_, state, done)
           run_.watchdog.beat(f"periodic work at step {done}")

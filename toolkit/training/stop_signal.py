@@ -1,10 +1,13 @@
 """Stopping a run by signal: the first SIGTERM/SIGINT asks the loop to stop after the step it
-is in (and save), a second one exits at once."""
+is in (and save), a second one hurries that (no eval before the save, nothing after it), a
+third exits at once."""
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 
 import jax
@@ -12,6 +15,8 @@ from jax.experimental import multihost_utils
 
 # The exit status of a run stopped by a second SIGINT/SIGTERM, as a shell reports Ctrl-C.
 INTERRUPTED_EXIT = 128 + signal.SIGINT
+# How long after a second signal the process waits for the step's checkpoint before it exits.
+GRACE_S = 5.0
 
 
 class StopSignal:
@@ -22,17 +27,24 @@ class StopSignal:
   with the others on a step (`reached_preemption_sync_point`, TPU maintenance events use it
   too), so SIGTERM is left to it and SIGINT is passed on to it as SIGTERM.
 
-  A second signal (Ctrl-C twice) exits at once with one line and INTERRUPTED_EXIT, saving
-  nothing more: the checkpoints already committed stay as they are (a save in flight never
-  commits). `exit` is os._exit but for tests.
+  A second signal (Ctrl-C twice) hurries the stop: the loop skips what it would still do
+  before saving (an eval, periodic work; one process only, where they are no collective) and
+  the run ends once the step is saved, without plots or a sample (`urgent`), exit status
+  INTERRUPTED_EXIT. If no checkpoint is committed within GRACE_S the process exits anyway,
+  as it does at once on a third signal, saving nothing more: the checkpoints already
+  committed stay as they are (a save in flight never commits). `exit` is os._exit but for
+  tests.
   """
 
-  def __init__(self, exit: Callable[[int], None] = os._exit):  # pylint: disable=redefined-builtin,protected-access
+  def __init__(self, exit: Callable[[int], None] = os._exit,  # pylint: disable=redefined-builtin,protected-access
+               grace_s: float = GRACE_S):
     self.requested = False
+    self.urgent = False
     self.multiprocess = jax.process_count() > 1
     self._previous = {}
     self._signals = 0
     self._exit = exit
+    self._grace_s = grace_s
 
   def __enter__(self):
     signals = (signal.SIGINT,) if self.multiprocess else (signal.SIGTERM, signal.SIGINT)
@@ -46,19 +58,31 @@ class StopSignal:
   def _handle(self, signum, frame):
     del frame
     self._signals += 1
-    if self._signals > 1:
-      print(f"received {signal.Signals(signum).name} again: exiting now without saving; "
-            f"committed checkpoints are intact", flush=True)
-      sys.stderr.flush()
-      self._exit(INTERRUPTED_EXIT)
+    name = signal.Signals(signum).name
+    if self._signals == 2:
+      self.urgent = True
+      _say(f"received {name} again: saving this step and exiting; in {self._grace_s:g} s (or "
+           f"at the next signal) without saving")
+      threading.Thread(target=self._exit_after_grace, name="stop-signal grace",
+                       daemon=True).start()
+      return
+    if self._signals > 2:
+      self._exit_now(f"received {name} a third time")
       return
     if self.multiprocess:
       os.kill(os.getpid(), signal.SIGTERM)
       return
     self.requested = True
     if jax.process_index() == 0:
-      print(f"received {signal.Signals(signum).name}: finishing this step, then saving",
-            flush=True)
+      print(f"received {name}: finishing this step, then saving", flush=True)
+
+  def _exit_after_grace(self) -> None:
+    time.sleep(self._grace_s)
+    self._exit_now(f"no checkpoint committed {self._grace_s:g} s after the second signal")
+
+  def _exit_now(self, why: str) -> None:
+    _say(f"{why}: exiting now without saving; committed checkpoints are intact")
+    self._exit(INTERRUPTED_EXIT)
 
   def should_stop(self, done: int) -> bool:
     """Whether to stop after step `done`; call it once per step, on every process."""
@@ -69,3 +93,9 @@ class StopSignal:
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
+
+
+def _say(line: str) -> None:
+  """One line on stdout, from every process (each tells its own)."""
+  print(line, flush=True)
+  sys.stderr.flush()

@@ -1,42 +1,43 @@
 """Stopping a run by signal: the first SIGINT/SIGTERM asks the loop to finish its step and
-save; a second one (Ctrl-C twice) exits at once with one line and status 130, no traceback;
-Ctrl-C outside the loop (start-up, compile) is one line too."""
+save; a second one (Ctrl-C twice) saves that step without more ado and exits 130 within
+GRACE_S, a third at once, each with one line and no traceback; Ctrl-C outside the loop
+(start-up, compile) is one line too."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import time
 
 from tests import preloaded
-from tests.toolkit.test_cli import MISTAKE_TIMEOUT_S, TINY, _env
+from tests.toolkit.test_cli import MISTAKE_TIMEOUT_S, PROGRESS, RUN_TIMEOUT_S, TINY, _env, checkpoint_steps
 from toolkit.training import stop_signal
 
 
-class Exited(Exception):
-  pass
-
-
-def _exit(status: int) -> None:
-  raise Exited(status)
-
-
-def test_a_second_signal_exits_at_once_with_one_line(capsys):
-  with stop_signal.StopSignal(exit=_exit) as stop:
+def test_a_second_signal_hurries_the_stop_and_a_third_exits_at_once(capsys):
+  exits = []
+  with stop_signal.StopSignal(exit=exits.append, grace_s=0.3) as stop:
     os.kill(os.getpid(), signal.SIGINT)
-    assert stop.should_stop(1)  # the first asks for a stop after the step
-    try:
-      os.kill(os.getpid(), signal.SIGTERM)
-      raise AssertionError("a second signal did not exit")
-    except Exited as e:
-      assert e.args == (stop_signal.INTERRUPTED_EXIT,) == (130,)
-  out = capsys.readouterr().out.splitlines()
-  assert out == ["received SIGINT: finishing this step, then saving",
-                 "received SIGTERM again: exiting now without saving; committed checkpoints "
-                 "are intact"]
+    assert stop.should_stop(1) and not stop.urgent  # the first: stop after the step, save
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.urgent and exits == []  # the second: hurry, the save still to come
+    time.sleep(1.0)
+    assert exits == [stop_signal.INTERRUPTED_EXIT] == [130]  # no checkpoint within the grace
+    os.kill(os.getpid(), signal.SIGINT)
+    assert exits == [130, 130]  # a third: at once
+  assert capsys.readouterr().out.splitlines() == [
+      "received SIGINT: finishing this step, then saving",
+      "received SIGTERM again: saving this step and exiting; in 0.3 s (or at the next signal) "
+      "without saving",
+      "no checkpoint committed 0.3 s after the second signal: exiting now without saving; "
+      "committed checkpoints are intact",
+      "received SIGINT a third time: exiting now without saving; committed checkpoints are "
+      "intact"]
 
 
 def test_the_handlers_before_the_loop_come_back_after_it():
   before = signal.getsignal(signal.SIGINT)
-  with stop_signal.StopSignal(exit=_exit):
+  with stop_signal.StopSignal():
     assert signal.getsignal(signal.SIGINT) is not before
   assert signal.getsignal(signal.SIGINT) is before
 
@@ -63,3 +64,40 @@ def test_ctrl_c_outside_the_loop_is_one_line_and_status_130(tmp_path):
   assert result.stderr.strip().splitlines()[-1] == (
       "error: interrupted (SIGINT) outside the training loop: nothing more was saved, "
       "committed checkpoints are intact; rerun the same command to resume")
+
+
+def test_ctrl_c_twice_saves_the_step_of_the_first_and_exits_within_5_s(tmp_path):
+  """Issue 32: Ctrl-C twice ended in a KeyboardInterrupt traceback and saved nothing."""
+  workdir = tmp_path / "w"
+  stdout_path, stderr_path = tmp_path / "stdout", tmp_path / "stderr"
+  with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
+    process = preloaded.start("toolkit.train", [
+        TINY, f"--workdir={workdir}", "--config.train.steps=1000000",
+        "--config.train.checkpoint_every=1000000", "--config.train.eval_every=20"],
+                              env=_env(), stdout=stdout, stderr=stderr)
+    try:
+      deadline = time.monotonic() + RUN_TIMEOUT_S
+      while not PROGRESS.search(stdout_path.read_text()):
+        assert process.poll() is None, stdout_path.read_text() + stderr_path.read_text()
+        assert time.monotonic() < deadline, "no progress line before the deadline"
+        time.sleep(0.1)  # polling interval, not a wait for readiness
+      process.send_signal(signal.SIGINT)
+      time.sleep(0.05)
+      process.send_signal(signal.SIGINT)
+      second = time.monotonic()
+      returncode = process.wait(timeout=RUN_TIMEOUT_S)
+      seconds = time.monotonic() - second
+    finally:
+      if process.poll() is None:
+        process.kill()
+        process.wait()
+  output = stdout_path.read_text() + stderr_path.read_text()
+  assert returncode == 130, output
+  assert seconds < stop_signal.GRACE_S, f"{seconds:.1f} s"
+  assert "Traceback" not in output
+  stopped = re.search(r"^stopped at step (\d+) on request; checkpoint saved$", output, re.M)
+  assert stopped, output
+  step = int(stopped.group(1))
+  assert output.rstrip().endswith(f"checkpoint saved at step {step}; exiting on the second "
+                                  f"signal"), output[-2000:]
+  assert checkpoint_steps(workdir) == {step}
