@@ -133,25 +133,28 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
       current.writer.close()
       raise
   if stop.urgent:  # the second signal: saved, and no more
-    current.watchdog.stop()
-    current.writer.close()
     current.result.interrupted = True
     log(f"checkpoint saved at step {current.result.final_step}; exiting on the second signal")
-    return current.result
   try:
-    current.watchdog.beat("the last checkpoint written")
-    # --- finish: plots, a sample, where the time went ----------------------------------------
-    current.result.step_traces = setup.step.traces
-    write_plots(current, workdir)
-    if sampler is not None and not current.result.stopped_early:
-      current.result.sample = sampler(config, setup, state)
-      current.watchdog.beat("the sample")
-    log(f"checkpoint: {os.path.join(checkpoints.directory, str(current.result.final_step))}")
-    write_goodput(current)
+    if not stop.urgent:
+      finish(current, workdir, state, sampler)
   finally:
     current.watchdog.stop()
     current.writer.close()
   return current.result
+
+
+def finish(run_: Run, workdir: str, state, sampler: Sampler | None) -> None:
+  """After the last save is committed: plots, a sample, where the time went."""
+  run_.watchdog.beat("the last checkpoint written")
+  result = run_.result
+  result.step_traces = run_.setup.step.traces
+  write_plots(run_, workdir)
+  if sampler is not None and not result.stopped_early:
+    result.sample = sampler(run_.config, run_.setup, state)
+    run_.watchdog.beat("the sample")
+  log(f"checkpoint: {os.path.join(run_.checkpoints.directory, str(result.final_step))}")
+  write_goodput(run_)
 
 
 # --- setup ----------------------------------------------------------------------------------
