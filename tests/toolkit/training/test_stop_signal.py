@@ -9,8 +9,11 @@ import re
 import signal
 import time
 
+import pytest
+
 from tests import preloaded
-from tests.toolkit.test_cli import MISTAKE_TIMEOUT_S, PROGRESS, RUN_TIMEOUT_S, TINY, _env, checkpoint_steps
+from tests.toolkit.test_cli import (MISTAKE_TIMEOUT_S, PROGRESS, RUN_TIMEOUT_S, TINY, _env,
+                                   checkpoint_steps)
 from toolkit.training import stop_signal
 
 
@@ -66,6 +69,7 @@ def test_ctrl_c_outside_the_loop_is_one_line_and_status_130(tmp_path):
       "committed checkpoints are intact; rerun the same command to resume")
 
 
+@pytest.mark.slow  # a run to its first progress line: ~6 s; the default suite is at its budget
 def test_ctrl_c_twice_saves_the_step_of_the_first_and_exits_within_5_s(tmp_path):
   """Issue 32: Ctrl-C twice ended in a KeyboardInterrupt traceback and saved nothing."""
   workdir = tmp_path / "w"

@@ -184,6 +184,7 @@ def test_the_stacks_of_a_gs_workdir_are_written_locally(monkeypatch, tmp_path):
   assert watchdog_lib.local_hang_folder("runs/lm") == os.path.abspath("runs/lm/hang")
 
 
+@pytest.mark.slow  # a run, then the 5 s timeout: ~13 s; the default suite is at its budget
 def test_a_training_run_that_hangs_in_a_storage_write_exits_75(tmp_path):
   """`toolkit.train` with log_every=1 and a 5 s timeout; after step 3's line metrics.jsonl
   becomes a FIFO, so the next record's write blocks: the process exits 75 within the timeout
