@@ -84,7 +84,11 @@ def defaults() -> ml_collections.ConfigDict:
       hang_timeout_s=600.0,
       # Seconds one write outside Orbax (metrics, TensorBoard, config, plots) or one read of an
       # object store may take before it is a storage error (toolkit/workdir.py `bounded`).
-      storage_timeout_s=120.0))
+      storage_timeout_s=120.0,
+      # With several processes: every this many steps the processes compare their own part of
+      # each step (batch, Python) and one 1.15x slower than the median is named
+      # (toolkit/training/stragglers.py); 0 is off.
+      straggler_every=100))
   return c
 
 

@@ -21,19 +21,15 @@ from toolkit.errors import ConfigError
 from toolkit.training import checkpoint, goodput as goodput_lib, init_from, integrity
 from toolkit.training import metrics as metrics_lib, profiler as profiler_lib
 from toolkit.training import programs as programs_lib, resume
-from toolkit.training import state as state_lib, step as step_lib, storage, tasks
+from toolkit.training import state as state_lib, step as step_lib, storage, stragglers, tasks
 from toolkit.training.setup import Setup, build, peak_flops_total, units_of, work_per_step
+from toolkit.training.startup import checkpoint_bytes, log, log_setup, prepare_workdir, write_config
 from toolkit.training.stop_signal import StopSignal
 from toolkit.training import watchdog as watchdog_lib
 
 
 class NonFiniteLoss(RuntimeError):
   """Training produced a NaN or infinite loss; no checkpoint of that state was written."""
-
-
-def log(message: str) -> None:
-  if jax.process_index() == 0:
-    print(message, flush=True)
 
 
 @dataclasses.dataclass
@@ -157,58 +153,6 @@ def finish(run_: Run, workdir: str, state, sampler: Sampler | None) -> None:
   write_goodput(run_)
 
 
-# --- setup ----------------------------------------------------------------------------------
-
-def prepare_workdir(workdir: str, checkpoint_size: int | None = None) -> None:
-  """Creates the workdir and checks that it and its checkpoints/ folder can be written (without
-  writing: a refused run leaves an existing workdir as it was); with `checkpoint_size` (bytes)
-  warns when free space is below two checkpoints."""
-  if (problem := workdir_lib.problem(workdir, reach=True)) is not None:
-    raise ConfigError(problem)
-  if workdir_lib.is_url(workdir):
-    return  # an object store: no folders to create, no local disk to measure
-  try:
-    os.makedirs(workdir, exist_ok=True)
-  except OSError as e:
-    raise ConfigError(f"--workdir={workdir!r} cannot be created ({e.strerror}); choose a "
-                      f"writable directory") from None
-  storage.check_writable(workdir)
-  if checkpoint_size is None:
-    return
-  checkpoints = workdir_lib.join(workdir, "checkpoints")
-  storage.check_writable(checkpoints)
-  if (warning := storage.free_space_warning(checkpoints, checkpoint_size)) is not None:
-    log(f"warning: {warning}")
-
-
-def write_config(config: ml_collections.ConfigDict, path: str) -> None:
-  try:
-    workdir_lib.write_text(path, config.to_json_best_effort(indent=2))
-  except OSError as e:
-    raise storage.StorageError(f"{path} cannot be written ({storage.cause(e)}); "
-                               f"{storage.fix(e)}") from None
-
-
-def checkpoint_bytes(setup: Setup) -> int:
-  """Bytes of one checkpoint: the whole train state (parameters and optimizer moments)."""
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(setup.layout.abstract))
-
-
-def log_setup(config: ml_collections.ConfigDict, setup: Setup) -> None:
-  """The devices, the mesh and the sharding table; warns about replicated parameters."""
-  mesh, report = setup.spec.mesh, setup.layout.report
-  log(f"devices: {mesh.size} x {mesh.devices.flat[0].device_kind} in "
-      f"{jax.process_count()} process(es); mesh {dict(mesh.shape)}; rules {setup.spec.rules.name}")
-  log(report.format())
-  if hasattr(setup.batches, "describe"):  # packed documents: how full the rows are
-    log(setup.batches.describe())
-  warning = report.check_replicated(config.sharding.max_replicated_fraction,
-                                    config.sharding.replicated_action)
-  if warning:
-    log(f"warning: {warning}")
-  log(watchdog_lib.describe(config))
-
-
 # --- compile --------------------------------------------------------------------------------
 
 def compile_steps(setup: Setup, programs: programs_lib.Programs | None = None):
@@ -269,16 +213,20 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
   pending: list = []
   interval = Interval()
   one_step_in_flight = run_.setup.spec.mesh.devices.flat[0].platform == "cpu"
+  host_times = stragglers.HostTimes(t.get("straggler_every", 0), start_step)
   guard = "disallow" if t.transfer_guard else "allow"
   try:
     with jax.transfer_guard(guard):
       for current in range(start_step, total_steps):
+        started = time.perf_counter()
         batch = interval.wait_for(batch_iter)
+        host_seconds = time.perf_counter() - started  # this host's own part of the step
         if one_step_in_flight:
           wait_for_previous_step(pending)
         # The guard turns an implicit host->device copy (say a NumPy array reaching the step)
         # into an error; placing the batch is an explicit transfer and passes.
         run_.profiler.before_step(current + 1)
+        host_times.add(host_seconds)
         state, step_metrics = train_step(state, batch)
         done = current + 1
         run_.profiler.after_step(done, step_metrics)
@@ -293,6 +241,8 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
         # log_every steps.
         if done % t.log_every == 0 or save_now or done == start_step + 1:
           flush(run_, pending, interval)
+        if host_times.due(done):
+          report_stragglers(run_, host_times, done)
         # A second signal: straight to the save (one process only: eval and periodic work
         # are collectives the other processes would run).
         hurry = stopping and stop.urgent and not stop.multiprocess
@@ -317,6 +267,15 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
   finally:
     batch_iter.close()
   return state
+
+
+def report_stragglers(run_: Run, host_times: stragglers.HostTimes, step: int) -> None:
+  """Names the processes slower than the others at their own part of the steps since the
+  last report (stragglers.py); every process calls it at the same step."""
+  slow, window = host_times.report(step)
+  for straggler in slow:
+    log(stragglers.line(straggler, window))
+    run_.writer.write(step, "straggler", stragglers.record(straggler))
 
 
 def wait_for_previous_step(pending: list) -> None:

@@ -152,6 +152,8 @@ RANGES: dict[str, Range] = {
                                                "counts as hung and exits 75; 0 is off"),
     "train.storage_timeout_s": positive("seconds one metrics, config or plot write (or one "
                                         "object-store read) may take"),
+    "train.straggler_every": count("steps between straggler reports of a multi-process run; "
+                                   "0 is off", low=0),
 }
 
 
