@@ -38,6 +38,9 @@ _GLOO_PIECES = re.compile(r"\[Gloo\]|Rank|is connected to|peer ranks\.?|Expected
                           r"connected|is :|[\d\s.:]")
 
 
+_PROGRESS = re.compile(r"step \d+/\d+ \|")  # the training loop's progress line
+
+
 def is_gloo_noise(line: str, after_gloo: bool) -> bool:
   """Whether `line` is (a piece of) Gloo's connection chatter; `after_gloo`: the line before
   it on the same stream was."""
@@ -95,6 +98,7 @@ class Pod:
     self._lock = threading.RLock()  # the signal handler writes too, in the main thread
     self._pumps: list[threading.Thread] = []
     self._signals = 0
+    self.first_progress_at: float | None = None  # time.monotonic() of p0's first step line
 
   def start(self, only: Sequence[int] | None = None) -> Pod:
     """Starts the processes (`only` these ids: a test's missing peer)."""
@@ -121,6 +125,8 @@ class Pod:
     for line in stream:
       with self._lock:
         self.lines[i].append(line.rstrip("\n"))
+        if i == 0 and self.first_progress_at is None and _PROGRESS.match(line):
+          self.first_progress_at = time.monotonic()
         after_gloo = is_gloo_noise(line.rstrip("\n"), after_gloo)
         if after_gloo:
           continue  # one line per device and communicator: noise, kept in self.lines only

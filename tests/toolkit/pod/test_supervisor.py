@@ -1,0 +1,103 @@
+"""toolkit.supervise (toolkit/pod/supervisor.py): a job killed mid-run and then hung is
+restarted twice and finishes with the losses of an uninterrupted run, each step once in
+metrics.jsonl; a mistake is not retried."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pathlib
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from toolkit.pod import supervisor as supervisor_lib
+
+STEPS = 100  # room to act at steps 15 and 40 before the end (steps take 20-150 ms here)
+TRAIN = ["--config=experiments/lm.py:tiny", f"--config.train.steps={STEPS}",
+         "--config.train.checkpoint_every=10", "--config.train.log_every=1",
+         "--config.train.eval_every=1000", "--config.train.sample_tokens=0"]
+TIMEOUT_S = 120
+
+
+def _losses(workdir: pathlib.Path) -> dict[int, float]:
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  steps = [r["step"] for r in records if r["kind"] == "train"]
+  assert len(steps) == len(set(steps)), "a step recorded twice"
+  return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def _wait_for(predicate, what: str, deadline: float, output=lambda: "") -> None:
+  while not predicate():
+    assert time.monotonic() < deadline, f"timed out waiting for {what}: {output()[-4000:]}"
+    time.sleep(0.02)  # polling interval, not a wait for readiness
+
+
+def test_a_mistake_is_not_retried(tmp_path):
+  err = io.StringIO()
+  supervisor = supervisor_lib.Supervisor(1, 8, [*TRAIN, f"--workdir={tmp_path / 'w'}",
+                                                "--config.train.steps=0"],
+                                         out=io.StringIO(), err=err, restart_delay_s=0)
+  assert supervisor.run() == 1
+  assert [a.cause for a in supervisor.attempts] == ["mistake"]
+  assert "[supervise] restart" not in err.getvalue()
+  assert "[supervise] job failed before training a step (not retried) after 1 attempt(s)" in \
+      err.getvalue()
+
+
+@pytest.mark.slow  # three attempts and an uninterrupted run: ~60 s
+def test_a_crash_and_a_hang_are_restarted_and_the_losses_equal_an_uninterrupted_run(tmp_path):
+  # The uninterrupted run, supervised too (the same processes and environment: bitwise).
+  straight = tmp_path / "straight"
+  clean = supervisor_lib.Supervisor(1, 8, [*TRAIN, f"--workdir={straight}"],
+                                    out=io.StringIO(), err=io.StringIO())
+  assert clean.run() == 0
+  assert [a.cause for a in clean.attempts] == ["finished"]
+
+  workdir = tmp_path / "w"
+  out, err = io.StringIO(), io.StringIO()
+  supervisor = supervisor_lib.Supervisor(
+      1, 8, [*TRAIN, f"--workdir={workdir}", "--config.train.hang_timeout_s=4"],
+      restart_delay_s=2, out=out, err=err)
+  outcome = {}
+  thread = threading.Thread(target=lambda: outcome.update(code=supervisor.run()), daemon=True)
+  thread.start()
+  deadline = time.monotonic() + TIMEOUT_S
+  text = lambda: out.getvalue() + err.getvalue()
+  try:
+    # A crash: SIGKILL once the job is past its first checkpoint.
+    _wait_for(lambda: "[p0] step 15/" in text(), "step 15", deadline)
+    os.kill(supervisor.job.procs[0].pid, signal.SIGKILL)
+    _wait_for(lambda: "recovered in" in text(), "the first recovery", deadline)
+    # A hang: metrics.jsonl becomes a pipe nobody reads, so the next metrics write blocks.
+    _wait_for(lambda: re.search(r"\[p0\] step (4\d|[5-9]\d)/", text()), "step 40", deadline)
+    metrics, saved = workdir / "metrics.jsonl", workdir / "metrics.saved"
+    os.rename(metrics, saved)
+    os.mkfifo(metrics)
+    _wait_for(lambda: "[supervise] restart 2 of 3" in text(), "the hang's restart", deadline, text)
+    os.remove(metrics)  # before the restart (2 s later) opens it again
+    os.rename(saved, metrics)
+    thread.join(max(1.0, deadline - time.monotonic()))
+  finally:
+    if supervisor.job is not None:
+      supervisor.job.close()
+  output = text()
+  assert outcome.get("code") == 0, output[-5000:]
+  assert [a.cause for a in supervisor.attempts] == ["crash", "hang", "finished"], output[-5000:]
+  assert re.search(r"^\[supervise\] restart 1 of 3 after a crash \(p0 killed by SIGKILL\) at "
+                   r"step \d+", output, re.M), output[-5000:]
+  assert re.search(r"^\[supervise\] restart 2 of 3 after a hang \(p0: no progress for "
+                   r"[\d.]+ s after step \d+\)", output, re.M), output[-5000:]
+  recovered = re.findall(r"^\[supervise\] recovered in ([\d.]+) s: restored step (\d+), (\d+) "
+                         r"step\(s\) lost", output, re.M)
+  assert len(recovered) == 2 and all(int(lost) <= 10 for _, _, lost in recovered), recovered
+  assert re.search(r"^\[supervise\] job finished after 3 attempt\(s\) \(failures: crash, "
+                   r"hang\)", output, re.M), output[-3000:]
+  # The same steps on the same batches from the same checkpoints: the uninterrupted losses.
+  assert _losses(workdir) == _losses(straight)
+  [record] = [json.loads(l) for l in (workdir / "supervisor.jsonl").read_text().splitlines()]
+  assert record["causes"] == ["crash", "hang"] and record["final"] == "finished"
+  assert 4 <= record["hang_detection_s"] < 6  # train.hang_timeout_s=4, polled

@@ -1,0 +1,240 @@
+"""A supervisor for a training job: it starts the job's processes (a local pod, `local.Pod`),
+and when the job fails it restarts it from the newest checkpoint, up to `max_restarts` times,
+saying in one line each time why, how many steps were lost and how long recovery took.
+
+What counts as what (the exit status of the first process to fail, and the hang markers the
+watchdog leaves in WORKDIR/hang/):
+
+  hang      a process exited with watchdog.HANG_EXIT (75) after no progress for
+            train.hang_timeout_s; its marker names the last completed step
+  crash     a process was killed by a signal, or failed after the job had trained a step
+  mistake   the command line (exit 2), or a failure before the first step of an attempt (a
+            config, workdir or checkpoint mistake): restarting would fail the same way, so the
+            supervisor stops and passes the status on
+  stopped   SIGINT/SIGTERM reached the job and it saved and stopped (exit 0), or Ctrl-C twice
+            (130): not restarted
+
+The job resumes by itself (the training command restores the newest checkpoint that restores);
+the batches of step s are a function of (seed, s), so the restarted job trains the same steps
+on the same data and its losses equal an uninterrupted run's. Each restart is one line
+
+  [supervise] restart 1 of 3 after a crash (p0 killed by SIGKILL) at step 27: ...
+  [supervise] recovered in 6.2 s: restored step 20, 7 steps lost (trained again)
+
+and the job's lifetime goodput (where the time went across attempts) is the last line and a
+`supervisor` record in WORKDIR/supervisor.jsonl.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from toolkit import workdir as workdir_lib
+from toolkit.pod import local
+
+HANG_EXIT = 75  # toolkit.training.watchdog.HANG_EXIT (pod/ does not import training/)
+USAGE_EXIT = 2
+INTERRUPTED_EXIT = 130
+_PROGRESS = re.compile(r"^step (\d+)/\d+ \|.*\| step ([\d.]+) (ms|s) \|")
+_RESTORED = re.compile(r"^restored step (\d+) from ")
+
+
+@dataclasses.dataclass
+class Attempt:
+  """One start of the job and how it ended."""
+  number: int
+  started: float  # time.monotonic()
+  ended: float = 0.0
+  returncode: int = 0
+  first_progress: float | None = None  # when its first progress line arrived
+  restored: int | None = None  # the step it resumed from (None: from scratch)
+  last_step: int = 0  # the last step it logged
+  step_seconds: float = 0.0  # the step time of its last progress line
+  cause: str = ""
+  detail: str = ""
+  detection_s: float = 0.0  # a hang: how long the watchdog waited before it ended the process
+
+
+def workdir_of(train_args: Sequence[str]) -> str | None:
+  for arg in train_args:
+    if arg.startswith("--workdir="):
+      return arg.split("=", 1)[1]
+  return None
+
+
+class Supervisor:
+  """Runs `train_args` as a local pod of `processes` x `devices_per_process` until it finishes,
+  restarting it after a crash or a hang (`run`)."""
+
+  def __init__(self, processes: int, devices_per_process: int, train_args: Sequence[str], *,
+               max_restarts: int = 3, restart_delay_s: float = 1.0, grace_s: float = 30.0,
+               out: TextIO | None = None, err: TextIO | None = None, environ=None):
+    self.processes, self.devices_per_process = processes, devices_per_process
+    self.train_args = list(train_args)
+    self.max_restarts, self.restart_delay_s, self.grace_s = max_restarts, restart_delay_s, grace_s
+    self.out, self.err = out or sys.stdout, err or sys.stderr
+    self.environ = environ
+    self.workdir = workdir_of(train_args)
+    self.attempts: list[Attempt] = []
+    self.job: local.Pod | None = None  # the attempt running now
+    self._stop_requested = False
+
+  def say(self, line: str) -> None:
+    self.err.write(f"[supervise] {line}\n")
+    self.err.flush()
+
+  def request_stop(self) -> None:
+    """SIGINT/SIGTERM to the supervisor: the job stops after a step and saves; no restart."""
+    self._stop_requested = True
+    if self.job is not None:
+      self.job.signal_all(signal.SIGTERM)
+
+  def run(self) -> int:
+    """The job to its end; the exit status of its last attempt."""
+    started = time.monotonic()
+    while True:
+      attempt = self._attempt(len(self.attempts) + 1)
+      self.attempts.append(attempt)
+      if attempt.cause in ("finished", "stopped", "mistake") or self._stop_requested:
+        break
+      restarts = len(self.attempts) - 1
+      if restarts >= self.max_restarts:
+        self.say(f"{attempt.cause} ({attempt.detail}) after {restarts} restart(s): giving up "
+                 f"(--max_restarts={self.max_restarts}); rerun the same command to resume")
+        break
+      self.say(f"restart {restarts + 1} of {self.max_restarts} after a {attempt.cause} "
+               f"({attempt.detail}) at step {attempt.last_step}: starting the job again from "
+               f"its newest checkpoint")
+      time.sleep(self.restart_delay_s)
+    self._summary(time.monotonic() - started)
+    return self.attempts[-1].returncode
+
+  def _attempt(self, number: int) -> Attempt:
+    attempt = Attempt(number, time.monotonic())
+    job = local.Pod(self.processes, self.devices_per_process, self.train_args,
+                    grace_s=self.grace_s, environ=self.environ, out=self.out, err=self.err)
+    self.job = job
+    previous = self.attempts[-1] if self.attempts else None
+    watcher = threading.Thread(target=self._announce_recovery, args=(previous, job),
+                               name="supervise: recovery", daemon=True)
+    try:
+      job.start()
+      watcher.start()
+      attempt.returncode = job.wait()
+    finally:
+      job.close()
+      self.job = None
+    watcher.join(5)
+    attempt.ended = time.monotonic()
+    self._read_output(attempt, job)
+    attempt.cause, attempt.detail = self._classify(attempt, job)
+    return attempt
+
+  def _read_output(self, attempt: Attempt, job: local.Pod) -> None:
+    """The step it resumed from, its last logged step and step time, when it first logged."""
+    for line in job.lines[0]:
+      if (restored := _RESTORED.match(line)) and attempt.restored is None:
+        attempt.restored = int(restored.group(1))
+      if progress := _PROGRESS.match(line):
+        attempt.last_step = int(progress.group(1))
+        value, unit = float(progress.group(2)), progress.group(3)
+        attempt.step_seconds = value / 1e3 if unit == "ms" else value
+    attempt.first_progress = job.first_progress_at
+
+  def _classify(self, attempt: Attempt, job: local.Pod) -> tuple[str, str]:
+    code = attempt.returncode
+    if code == 0:
+      return ("stopped" if self._stop_requested else "finished"), "exit status 0"
+    failed = min(job.exit_times, key=lambda i: (job.procs[i].returncode == 0, job.exit_times[i]))
+    detail = f"p{failed} {local.describe_status(job.procs[failed].returncode)}"
+    if code == INTERRUPTED_EXIT:
+      return "stopped", detail
+    if code == HANG_EXIT or any(p.returncode == HANG_EXIT for p in job.procs):
+      return "hang", self._hang_detail(attempt) or detail
+    if code < 0:
+      return "crash", detail
+    if code == USAGE_EXIT or attempt.first_progress is None:
+      return "mistake", detail
+    return "crash", detail
+
+  def _hang_detail(self, attempt: Attempt) -> str | None:
+    """What the watchdog's marker of this attempt says (the first process's that hung)."""
+    if self.workdir is None:
+      return None
+    for i in range(self.processes):
+      path = workdir_lib.join(self.workdir, "hang", f"process_{i}.json")
+      try:
+        marker = json.loads(workdir_lib.read_text(path))
+      except (OSError, ValueError):
+        continue
+      if marker.get("time", 0) >= time.time() - (time.monotonic() - attempt.started):
+        attempt.detection_s = float(marker.get("idle_s", 0.0))
+        return (f"p{i}: no progress for {attempt.detection_s:.1f} s after step "
+                f"{marker.get('step')}")
+    return None
+
+  def _announce_recovery(self, failed: Attempt | None, job: local.Pod) -> None:
+    """After a restart: one line once the job trains again (its first progress line)."""
+    if failed is None:
+      return
+    while job.first_progress_at is None:
+      if all(proc.poll() is not None for proc in job.procs):
+        return  # ended before it trained a step
+      time.sleep(0.05)
+    restored = next((int(m.group(1)) for line in list(job.lines[0])
+                     if (m := _RESTORED.match(line))), 0)
+    self.say(f"recovered in {job.first_progress_at - failed.ended:.1f} s: restored step "
+             f"{restored}, {max(0, failed.last_step - restored)} step(s) lost (trained again)")
+
+  def _summary(self, wall_s: float) -> None:
+    """The job's lifetime: attempts, causes, and the time failures cost."""
+    failures = self.attempts[:-1]
+    restart_s = sum((b.first_progress or b.ended) - a.ended
+                    for a, b in zip(self.attempts, self.attempts[1:]))
+    lost_steps = sum(max(0, a.last_step - (b.restored or 0))
+                     for a, b in zip(self.attempts, self.attempts[1:]))
+    redo_s = sum(max(0, a.last_step - (b.restored or 0)) * b.step_seconds
+                 for a, b in zip(self.attempts, self.attempts[1:]))
+    detection_s = sum(a.detection_s for a in failures)
+    record = {"attempts": len(self.attempts), "causes": [a.cause for a in failures],
+              "final": self.attempts[-1].cause, "wall_s": round(wall_s, 3),
+              "hang_detection_s": round(detection_s, 3),
+              "restart_and_restore_s": round(restart_s, 3), "steps_trained_again": lost_steps,
+              "steps_trained_again_s": round(redo_s, 3)}
+    causes = ", ".join(record["causes"]) or "none"
+    ended = {"finished": "finished", "stopped": "stopped on request",
+             "mistake": "failed before training a step (not retried)"}.get(record["final"],
+                                                                           "failed")
+    self.say(f"job {ended} after {len(self.attempts)} attempt(s) (failures: {causes}) "
+             f"in {wall_s:.1f} s: {detection_s:.1f} s waiting out hangs, {restart_s:.1f} s "
+             f"restarting and restoring, {lost_steps} step(s) trained again (~{redo_s:.1f} s)")
+    if self.workdir is not None and workdir_lib.exists(self.workdir):
+      path = workdir_lib.join(self.workdir, "supervisor.jsonl")
+      previous = workdir_lib.read_text(path) if workdir_lib.exists(path) else ""
+      workdir_lib.write_text(path, previous + json.dumps(record) + "\n")
+
+
+def supervise(processes: int, devices_per_process: int, train_args: Sequence[str],
+              max_restarts: int, restart_delay_s: float) -> int:
+  """The `toolkit.supervise` command: a supervisor with SIGINT/SIGTERM passed on as a stop."""
+  supervisor = Supervisor(processes, devices_per_process, train_args, max_restarts=max_restarts,
+                          restart_delay_s=restart_delay_s)
+
+  def handle(signum, frame):
+    del frame
+    supervisor.say(f"{signal.Signals(signum).name}: stopping the job (it saves), no restart")
+    supervisor.request_stop()
+
+  previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    return supervisor.run()
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
