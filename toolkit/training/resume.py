@@ -80,7 +80,10 @@ def schedule_length(config: dict) -> int:
 def schedule_change(config: ml_collections.ConfigDict, own: checkpoint.Checkpoints,
                     step: int) -> str | None:
   """A warning when this run's schedule is not the one the checkpoint at `step` trained on
-  (train.steps changed, say): warmup and decay stretch and the learning rate jumps."""
+  (train.steps changed, say): warmup and decay stretch and the learning rate jumps. None at
+  step 0 (an imported model's checkpoint: no schedule has begun)."""
+  if step == 0:
+    return None
   try:
     saved = schedule_length(own.saved_config(step))
   except (checkpoint.DamagedCheckpoint, KeyError):

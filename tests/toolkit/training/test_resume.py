@@ -280,6 +280,8 @@ def test_a_resume_onto_another_schedule_length_says_so_once(straight, tmp_path, 
   resume.restore_or_init(config, setup, checkpoints, lines.append)
   checkpoints.close()
   assert lines[0] == f"restored step 10 from {workdir}/checkpoints"
+  # A checkpoint at step 0 (toolkit.convert import's) has begun no schedule: nothing to say.
+  assert resume.schedule_change(config, checkpoints, 0) is None
   if not warned:
     assert lines[1:] == []
     return
