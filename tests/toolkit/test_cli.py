@@ -165,6 +165,15 @@ def test_config_override_and_plan_take_effect(tmp_path):
   assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 4
 
 
+def wait_for_progress(process, stdout_path: pathlib.Path, stderr_path: pathlib.Path) -> None:
+  """Until the run trains: its first progress line (step 1) is printed inside the loop."""
+  deadline = time.monotonic() + RUN_TIMEOUT_S
+  while not PROGRESS.search(stdout_path.read_text()):
+    assert process.poll() is None, stdout_path.read_text() + stderr_path.read_text()
+    assert time.monotonic() < deadline, "no progress line before the deadline"
+    time.sleep(0.1)  # polling interval, not a wait for readiness
+
+
 def test_sigterm_saves_and_exits_zero_then_the_same_command_resumes(tmp_path):
   workdir = tmp_path / "w"
   args = [TINY, f"--workdir={workdir}", "--config.train.checkpoint_every=1000"]
@@ -173,12 +182,7 @@ def test_sigterm_saves_and_exits_zero_then_the_same_command_resumes(tmp_path):
     process = preloaded.start("toolkit.train", [*args, "--config.train.steps=2000"],
                               env=_env(), stdout=stdout, stderr=stderr)
     try:
-      # Wait until it trains: the first progress line (step 1) is printed inside the loop.
-      deadline = time.monotonic() + RUN_TIMEOUT_S
-      while not PROGRESS.search(stdout_path.read_text()):
-        assert process.poll() is None, stdout_path.read_text() + stderr_path.read_text()
-        assert time.monotonic() < deadline, "no progress line before the deadline"
-        time.sleep(0.1)  # polling interval, not a wait for readiness
+      wait_for_progress(process, stdout_path, stderr_path)
       process.send_signal(signal.SIGTERM)
       returncode = process.wait(timeout=RUN_TIMEOUT_S)
     finally:

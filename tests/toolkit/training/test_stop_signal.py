@@ -12,8 +12,8 @@ import time
 import pytest
 
 from tests import preloaded
-from tests.toolkit.test_cli import (MISTAKE_TIMEOUT_S, PROGRESS, RUN_TIMEOUT_S, TINY, _env,
-                                   checkpoint_steps)
+from tests.toolkit.test_cli import (MISTAKE_TIMEOUT_S, RUN_TIMEOUT_S, TINY, _env,
+                                   checkpoint_steps, wait_for_progress)
 from toolkit.training import stop_signal
 
 
@@ -82,11 +82,7 @@ def test_ctrl_c_twice_saves_the_step_of_the_first_and_exits_within_5_s(tmp_path)
         "--config.train.checkpoint_every=1000000", "--config.train.eval_every=20"],
                               env=_env(), stdout=stdout, stderr=stderr)
     try:
-      deadline = time.monotonic() + RUN_TIMEOUT_S
-      while not PROGRESS.search(stdout_path.read_text()):
-        assert process.poll() is None, stdout_path.read_text() + stderr_path.read_text()
-        assert time.monotonic() < deadline, "no progress line before the deadline"
-        time.sleep(0.1)  # polling interval, not a wait for readiness
+      wait_for_progress(process, stdout_path, stderr_path)
       process.send_signal(signal.SIGINT)
       time.sleep(0.05)
       process.send_signal(signal.SIGINT)
