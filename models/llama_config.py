@@ -137,14 +137,27 @@ class LlamaConfig:
     return round(self.n_layers * (self.layer_matmul_params() + 2 * self.d_model)
                  + embeddings + self.d_model)
 
+  def attention_flops_per_token(self, seq_len: int) -> float:
+    """Training FLOPs per token of attention's two matmuls (scores q.k, then p.v), all
+    layers, forward + backward: 3 x 2 matmuls x 2 FLOPs x heads x head_dim x the keys a query
+    sees. Bidirectional (`causal` False) that is all seq_len keys, as in the PaLM paper's
+    appendix B; causal, half of them on average, so the count is halved, as MaxText's
+    `calculate_tflops_training_per_device` does ("Divide attention flops by 2 due to causal
+    mask", citing Megatron-LM and NeMo). That is the useful work, which the flash-style
+    kernels (splash, blockwise, cuDNN) execute by skipping key blocks above the diagonal; the
+    full count would exceed what they run and put MFU above 100 %."""
+    keys = seq_len / 2 if self.causal else seq_len
+    return 12 * self.n_layers * self.n_heads * self.resolved_head_dim * keys
+
   def flops_per_token(self, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward): 6 x matmul parameters a token uses (the
-    router and its experts_per_token experts in an MoE layer) plus attention scores and
-    values, counted as in the PaLM paper's appendix B (no causal discount). With LoRA the
-    frozen weights cost 4 (no weight gradient) and the adapters 6 per parameter."""
+    """Training FLOPs per token (forward + backward), the numerator of MFU: 6 x matmul
+    parameters a token uses (the router and its experts_per_token experts in an MoE layer)
+    plus attention (`attention_flops_per_token`: halved when causal). With LoRA the frozen
+    weights cost 4 (no weight gradient) and the adapters 6 per parameter. Remat's recomputation
+    is not counted: it is work the step executes (toolkit.pod.estimate), not model FLOPs."""
     matmul_params = (self.n_layers * self.layer_matmul_params(active=True)
                      + self.vocab_size * self.d_model)
-    attention = 12 * self.n_layers * self.n_heads * self.resolved_head_dim * seq_len
+    attention = self.attention_flops_per_token(seq_len)
     if self.lora_rank:
       return 4 * matmul_params + 6 * lora.trainable_count(self) + attention
     return 6 * matmul_params + attention

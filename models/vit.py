@@ -97,12 +97,13 @@ class ViTConfig:
 
   def flops_per_example(self) -> float:
     """Training FLOPs per image (forward + backward), counted like
-    `LlamaConfig.flops_per_token`: 6 x matmul parameters per token plus attention."""
+    `LlamaConfig.flops_per_token`: 6 x matmul parameters per token plus the block's attention
+    (bidirectional: every token pair, no causal halving)."""
     d, t = self.d_model, self.num_tokens
     per_token = self.n_layers * (4 * d * d + 3 * d * self.mlp_dim)
     matmuls = 6 * (per_token * t + self.patch_features * d * self.num_patches
                    + d * self.num_classes)
-    return matmuls + 12 * self.n_layers * d * t * t
+    return matmuls + self.block_config().attention_flops_per_token(t) * t
 
 
 PRESETS: dict[str, ViTConfig] = {

@@ -4,6 +4,9 @@
       --config=experiments/lm.py:size=1b --workdir=/shared/runs/lm -- --config.train.steps=1000
   python scripts/slurm_job.py --nodes=2 --gpus-per-node=8 --time=04:00:00 \\
       --config=experiments/lm.py:size=1b --workdir=/shared/runs/lm --dry-run > lm.sbatch
+  python scripts/slurm_job.py --nodes=4 --gpus-per-node=8 --partition=h100 --nccl-debug=WARN \\
+      --env=NCCL_SOCKET_IFNAME=ib0 --config=experiments/lm.py:size=1b \\
+      --workdir=/shared/runs/lm --dry-run -- --config.mesh.dcn=data:4
 
 Without --dry-run the script goes to `sbatch` on stdin. The body is one `srun` of the same
 toolkit.train command in every task; `jax.distributed.initialize()` with no arguments finds
@@ -18,6 +21,22 @@ leave each task one GPU numbered 0. With --per-node, one task per node drives al
 JAX's SLURM detection would still limit each process to GPU SLURM_LOCALID (= 0), so the
 script sets JAX_LOCAL_DEVICE_IDS to all of them. `srun --kill-on-bad-exit=1` stops every
 task when one fails, instead of leaving the others blocked in a collective.
+
+Environment of every task (docs/gpu.md), before the `--env` settings, which win:
+- JAX_PLATFORMS=cuda,cpu: the GPUs, or JAX's error ("Unable to initialize backend 'cuda'")
+  on a node that shows GPUs but lacks JAX's CUDA plugin, where JAX alone would only warn and
+  the toolkit would train on the CPU (toolkit/runtime.py).
+- XLA_CLIENT_MEM_FRACTION=0.9 (--mem-fraction): the share of each GPU's memory JAX reserves
+  at start-up. JAX's default, 0.75, keeps a quarter of it from the training step; 0.9 still
+  leaves room for what CUDA, cuBLAS and NCCL allocate themselves. The script unsets the older
+  name XLA_PYTHON_CLIENT_MEM_FRACTION, which sbatch would pass on from the submitting shell:
+  with both set, JAX's CUDA plugin fails to load (a ValueError in jaxlib's
+  generate_pjrt_gpu_plugin_options) and JAX falls back to the CPU. An --env of either name
+  replaces both lines.
+- NCCL_DEBUG only with --nccl-debug (WARN: a line for each failed NCCL call; INFO: also the
+  rings, trees and network NCCL chose, to check it found InfiniBand). The cluster's network
+  settings (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...) come from its admins, through --env.
+- XLA_FLAGS from GPU_XLA_FLAGS below, when it holds any (none yet).
 
 --workdir is a gs://bucket/path URL or one directory every node can write (a shared file system). A bad
 flag prints one `error:` line and exits 2; a failed sbatch exits 1.
@@ -37,6 +56,15 @@ sys.path.insert(0, str(REPO))  # run from a plain checkout too, without installi
 from toolkit import workdir  # noqa: E402  pylint: disable=wrong-import-position
 
 USAGE_EXIT = 2
+DEFAULT_MEM_FRACTION = 0.9
+# The XLA flags every GPU task gets (exported as XLA_FLAGS; --env=XLA_FLAGS=... replaces them).
+# Empty on purpose: the collective-overlap presets (latency-hiding scheduler, pipelined
+# collectives, combine thresholds) belong here or in the runtime once chosen and measured.
+GPU_XLA_FLAGS: tuple[str, ...] = ()
+# JAX reads the first; the second is its deprecated name, and with both set JAX's CUDA plugin
+# fails to load.
+MEM_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
 
 
 def fail(message: str, exit_code: int = USAGE_EXIT) -> None:
@@ -76,6 +104,7 @@ def batch_script(args: argparse.Namespace, train_args: list[str]) -> str:
         f"# {args.gpus_per_node} every task sees (so no --gpus-per-task / GPU binding here).",
     ]
   lines += ["set -euo pipefail", f"cd {shlex.quote(args.repo_dir)}"]
+  lines += gpu_environment(args)
   env = list(args.env)
   if args.per_node:
     env.append(("JAX_LOCAL_DEVICE_IDS", ",".join(map(str, range(args.gpus_per_node)))))
@@ -84,6 +113,26 @@ def batch_script(args: argparse.Namespace, train_args: list[str]) -> str:
           f"--config={args.config}", f"--workdir={args.workdir}", *train_args]
   lines.append(shlex.join(srun))
   return "\n".join(lines) + "\n"
+
+
+def gpu_environment(args: argparse.Namespace) -> list[str]:
+  """The script's lines that set the NCCL/XLA environment of every task (the module docstring
+  says why each); a variable the user's --env sets is left to it."""
+  given = {key for key, _ in args.env}
+  lines = []
+  if "JAX_PLATFORMS" not in given:
+    lines += ["# The GPUs, or JAX's error where its CUDA plugin is missing (not a run on the CPU).",
+              "export JAX_PLATFORMS=cuda,cpu"]
+  if not given & set(MEM_FRACTION_VARIABLES):
+    lines += ["# The share of each GPU's memory JAX reserves. With the old name also set (sbatch",
+              "# passes on the submitting shell's) JAX's CUDA plugin fails to load.",
+              f"unset {MEM_FRACTION_VARIABLES[1]}",
+              f"export {MEM_FRACTION_VARIABLES[0]}={args.mem_fraction:g}"]
+  if args.nccl_debug and "NCCL_DEBUG" not in given:
+    lines.append(f"export NCCL_DEBUG={args.nccl_debug}")
+  if GPU_XLA_FLAGS and "XLA_FLAGS" not in given:
+    lines.append(f"export XLA_FLAGS={shlex.quote(' '.join(GPU_XLA_FLAGS))}")
+  return lines
 
 
 def _env_pair(text: str) -> tuple[str, str]:
@@ -97,6 +146,16 @@ def _positive(text: str) -> int:
   if not text.isdigit() or int(text) < 1:
     raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
   return int(text)
+
+
+def _fraction(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not 0 < value <= 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1], such as 0.9")
+  return value
 
 
 def _time(text: str) -> str:
@@ -146,6 +205,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                       help="gs://BUCKET/path, or a directory every node can write")
   parser.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                       help="environment variable for the training processes (repeatable)")
+  parser.add_argument("--mem-fraction", type=_fraction, default=DEFAULT_MEM_FRACTION,
+                      help="share of each GPU's memory JAX takes at start-up "
+                      f"(XLA_CLIENT_MEM_FRACTION; default {DEFAULT_MEM_FRACTION:g})")
+  parser.add_argument("--nccl-debug", choices=NCCL_DEBUG_LEVELS, type=str.upper,
+                      help="NCCL's log level (NCCL_DEBUG; default unset: NCCL prints nothing "
+                      "of its own): WARN names each failed NCCL call, INFO also the network it "
+                      "chose")
   parser.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
   return parser.parse_args(argv), train_args
 

@@ -15,6 +15,11 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The TPU compiles (tests marked tpu_aot) run with the overlap flags toolkit.compile sets: libtpu
+# reads LIBTPU_INIT_ARGS once, when the first of them loads it; flags already there stay.
+from toolkit import xla_flags  # noqa: E402  pylint: disable=wrong-import-position
+
+xla_flags.apply("tpu")
 
 # The commands keep compiled programs under $XDG_CACHE_HOME/meshkit (toolkit/runtime.py). The
 # session gets an empty folder of its own, shared by every process it starts (pytest-xdist

@@ -28,6 +28,7 @@ import jax
 import sharding
 from toolkit import command_line
 from toolkit import workdir
+from toolkit import xla_flags
 from toolkit.errors import ConfigError
 from toolkit.pod.aot import CompileError, LintError, compile_report, parse_out_of_memory
 from toolkit.pod.report import BAD_INPUT, DOES_NOT_FIT
@@ -188,6 +189,9 @@ def cli() -> None:
       kind, count = parse_name(topology_flag.value)
       if kind == "cpu":
         jax.config.update("jax_num_cpu_devices", count * max(slices_flag.value, 1))
+      # A TPU's overlap flags go to LIBTPU_INIT_ARGS before libtpu loads in target_for.
+      xla_flags.prepare_tpu_compile(kind, xla_flags.setting_of(config_flag.value),
+                                    slices_flag.value, log=lambda line: print(line, flush=True))
       target = target_for(topology_flag.value, slices_flag.value)
       flag_values = flags.FLAGS.flag_values_dict()
       _check_outputs(flag_values)

@@ -15,7 +15,7 @@ def cli() -> None:
   from absl import app, flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   import sharding  # pylint: disable=g-import-not-at-top
-  from toolkit import command_line, runtime  # pylint: disable=g-import-not-at-top
+  from toolkit import command_line, runtime, xla_flags  # pylint: disable=g-import-not-at-top
   from toolkit.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from toolkit.evaluation import offline  # pylint: disable=g-import-not-at-top
   from toolkit.generate import define_engine_flags, engine_options  # pylint: disable=g-import-not-at-top
@@ -59,7 +59,8 @@ def cli() -> None:
   def main(argv) -> None:
     del argv
     command_line.quiet_logging()
-    runtime.start(cache_dir_flag.value, mesh=config_flag.value.mesh)
+    runtime.start(cache_dir_flag.value, mesh=config_flag.value.mesh,
+                  xla_flags=xla_flags.setting_of(config_flag.value))
     command_line.check_platform()
     limit = limit_flag.value
     try:

@@ -72,7 +72,7 @@ def cli() -> None:
   from absl import app, flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   import sharding  # pylint: disable=g-import-not-at-top
-  from toolkit import command_line, runtime  # pylint: disable=g-import-not-at-top
+  from toolkit import command_line, runtime, xla_flags  # pylint: disable=g-import-not-at-top
   config_flag = config_flags.DEFINE_config_file(
       "config", None, "Required. The experiment file the checkpoint was trained with, e.g. "
       "experiments/lm.py:cpu; its mesh and sharding rules place the model.", lock_config=True)
@@ -95,7 +95,8 @@ def cli() -> None:
   def main(argv) -> None:
     del argv
     command_line.quiet_logging()
-    runtime.start(cache_dir_flag.value, mesh=config_flag.value.mesh)
+    runtime.start(cache_dir_flag.value, mesh=config_flag.value.mesh,
+                  xla_flags=xla_flags.setting_of(config_flag.value))
     command_line.check_platform()
     try:
       defaults = sampling_defaults(**{k: f.value for k, f in sampling_flags.items()})

@@ -15,7 +15,7 @@ def cli() -> None:
   """`python -m toolkit.predict`: flags are defined here and nowhere else."""
   from absl import app, flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  from toolkit import command_line, runtime  # pylint: disable=g-import-not-at-top
+  from toolkit import command_line, runtime, xla_flags  # pylint: disable=g-import-not-at-top
   config_flag = config_flags.DEFINE_config_file(
       "config", None, "Required. The experiment file the checkpoint was trained with, e.g. "
       "experiments/vit.py:cpu.", lock_config=True)
@@ -32,7 +32,8 @@ def cli() -> None:
   def main(argv) -> None:
     del argv
     command_line.quiet_logging()
-    runtime.start(cache_flag.value, mesh=config_flag.value.mesh)
+    runtime.start(cache_flag.value, mesh=config_flag.value.mesh,
+                  xla_flags=xla_flags.setting_of(config_flag.value))
     command_line.check_platform()
     try:
       classify.run(config_flag.value, checkpoint_flag.value, inputs_flag.value, output_flag.value,

@@ -4,7 +4,10 @@
   JAX's backend discovery loads libtpu even on a machine without TPU chips, and libtpu prints
   five lines of start-up noise, one an `E0000 ... INVALID_ARGUMENT` that reads like a crash.
   `use_cpu_without_accelerator` pins JAX to the CPU when no TPU chip and no GPU is visible and
-  JAX_PLATFORMS is unset; TPU and GPU machines keep JAX's own discovery.
+  JAX_PLATFORMS is unset; TPU and GPU machines keep JAX's own discovery. An NVIDIA GPU without
+  JAX's CUDA plugin (the plain `jax` wheel `make demo` installs) counts as no GPU: JAX could
+  only fall back to the CPU, so the run says in one line how to install the plugin and goes on
+  as on a CPU-only machine (docs/gpu.md).
 - Simulated devices: on a CPU-only run, `simulate_cpu_devices` gives the mesh of a config the
   host devices it needs (8 for a mesh with a -1 size), unless XLA_FLAGS already says how many.
 - Compilation cache: `enable_compilation_cache` turns on JAX's persistent cache in a folder, so
@@ -18,16 +21,24 @@ Python session can too, before its first JAX array:
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from collections.abc import Callable
 
 import sharding
+from toolkit import xla_flags as xla_flags_lib
 
 # Simulated CPU devices for a mesh with a -1 size: the device count the CPU configs are made
 # for (experiments/*.py: cpu variants on 8 devices).
 DEFAULT_CPU_DEVICES = 8
 _DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"
+# The modules that register JAX's "cuda" backend: the PJRT plugins of the jax-cuda12-pjrt and
+# jax-cuda13-pjrt wheels (`jax[cuda12]` installs the first), which JAX imports from its
+# `jax_plugins` namespace package (jax._src.xla_bridge.discover_pjrt_plugins).
+CUDA_PLUGIN_MODULES = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+NO_CUDA_PLUGIN = ("an NVIDIA GPU is visible but JAX's CUDA plugin is not installed, so this run "
+                  "continues on the CPU; for the GPU: pip install -e '.[cuda]' (jax[cuda12])")
 
 
 def default_cache_dir() -> str:
@@ -51,21 +62,62 @@ def accelerator_visible() -> bool:
     return True
 
 
-def use_cpu_without_accelerator() -> bool:
-  """Pins JAX to the CPU on a machine without TPU or GPU; True when JAX will run on the CPU.
+def cuda_plugin_installed() -> bool:
+  """Whether JAX will find a CUDA backend to register: one of CUDA_PLUGIN_MODULES importable,
+  or a "cuda" entry in PJRT_NAMES_AND_LIBRARY_PATHS (JAX's other way to load a plugin). Looks
+  for the modules without importing them (that would load the CUDA libraries)."""
+  for name in CUDA_PLUGIN_MODULES:
+    try:
+      if importlib.util.find_spec(name) is not None:
+        return True
+    except (ImportError, ValueError):  # no jax_plugins package at all
+      pass
+  entries = os.environ.get("PJRT_NAMES_AND_LIBRARY_PATHS", "").split(",")
+  return any(entry.partition(":")[0].strip() == "cuda" for entry in entries)
 
-  JAX_PLATFORMS (or jax_platforms) given by the user wins. Also exported to the environment so
-  that processes started from here (Grain workers, sweep trials) stay quiet too.
+
+def nvidia_gpu_without_cuda_plugin() -> bool:
+  """Whether JAX would only warn "An NVIDIA GPU may be present on this machine, but a
+  CUDA-enabled jaxlib is not installed" and fall back to the CPU: an NVIDIA GPU visible (JAX's
+  probe), no TPU chip, and no CUDA plugin."""
+  try:
+    from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
+    if not hardware_utils.has_visible_nvidia_gpu():
+      return False
+    tpu_chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
+  except Exception:  # pylint: disable=broad-except  # a JAX without these probes: let JAX choose
+    return False
+  return tpu_chips == 0 and not cuda_plugin_installed()
+
+
+def cpu_run_reason(log: Callable[[str], None] = print) -> str | None:
+  """Pins JAX to the CPU where it has no accelerator to use; returns why the run is on the CPU
+  (the words that open the simulated-devices line), or None to keep JAX's own discovery.
+
+  JAX_PLATFORMS (or jax_platforms) given by the user wins. An NVIDIA GPU without the CUDA
+  plugin logs NO_CUDA_PLUGIN, then is a CPU-only machine. The pin is also exported to the
+  environment so that processes started from here (Grain workers, sweep trials) stay quiet.
   """
   import jax  # pylint: disable=g-import-not-at-top
   chosen = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS")
   if chosen:
-    return chosen == "cpu"
-  if accelerator_visible():
-    return False
+    return "no TPU or GPU here" if chosen == "cpu" else None
+  if nvidia_gpu_without_cuda_plugin():
+    log(NO_CUDA_PLUGIN)
+    reason = "no CUDA plugin for the GPU"
+  elif accelerator_visible():
+    return None
+  else:
+    reason = "no TPU or GPU here"
   os.environ["JAX_PLATFORMS"] = "cpu"
   jax.config.update("jax_platforms", "cpu")
-  return True
+  return reason
+
+
+def use_cpu_without_accelerator(log: Callable[[str], None] = print) -> bool:
+  """Pins JAX to the CPU on a machine without a TPU or a GPU it can use (`cpu_run_reason`);
+  True when JAX will run on the CPU."""
+  return cpu_run_reason(log) is not None
 
 
 def cpu_devices_for_mesh(ici: str, dcn: str = "") -> int | None:
@@ -85,9 +137,10 @@ def cpu_devices_for_mesh(ici: str, dcn: str = "") -> int | None:
 
 
 def simulate_cpu_devices(count: int | None, what: str,
-                         log: Callable[[str], None] = print) -> int | None:
+                         log: Callable[[str], None] = print,
+                         reason: str = "no TPU or GPU here") -> int | None:
   """Sets the CPU device count before JAX starts and says so in one line naming `what` needs
-  them; returns the count set.
+  them, after `reason` (why the run is on the CPU); returns the count set.
 
   Does nothing (returns None) when XLA_FLAGS or jax_num_cpu_devices already set a count, or
   for one device. Call only for a run on the CPU, before the first JAX array.
@@ -98,7 +151,7 @@ def simulate_cpu_devices(count: int | None, what: str,
   if not count or count == 1:
     return None
   jax.config.update("jax_num_cpu_devices", count)
-  log(f"no TPU or GPU here: simulating {count} CPU devices for {what} (choose another count "
+  log(f"{reason}: simulating {count} CPU devices for {what} (choose another count "
       f"with XLA_FLAGS=--{_DEVICE_COUNT_FLAG}=N)")
   return count
 
@@ -115,17 +168,21 @@ def enable_compilation_cache(path: str) -> None:
 
 def start(compilation_cache: str | None = None, mesh=None,
           cpu_devices: tuple[int, str] | None = None,
-          log: Callable[[str], None] = print) -> None:
-  """Process set-up before JAX starts: the CPU when there is no TPU or GPU (quiet start-up),
-  simulated CPU devices for `mesh` (a config's mesh section, fields ici and dcn) or
-  `cpu_devices` (count, what needs them), and the compilation cache in the folder
-  `compilation_cache` (none when it is None, "" or "off")."""
-  if use_cpu_without_accelerator():
+          log: Callable[[str], None] = print, xla_flags: str = "auto") -> None:
+  """Process set-up before JAX starts: the CPU when there is no TPU or GPU that JAX can use
+  (quiet start-up; `cpu_run_reason`), simulated CPU devices for `mesh` (a config's mesh
+  section, fields ici and dcn) or `cpu_devices` (count, what needs them), and the compilation
+  cache in the folder `compilation_cache` (none when it is None, "" or "off"). On a TPU or GPU:
+  the overlap flags of `toolkit.xla_flags` (`xla_flags`: a config's runtime.xla_flags)."""
+  reason = cpu_run_reason(log)
+  if reason is not None:
     if mesh is not None:
       dcn = mesh.get("dcn", "") or ""
       what = f"mesh.ici={mesh.ici}" + (f", mesh.dcn={dcn}" if dcn else "")
-      simulate_cpu_devices(cpu_devices_for_mesh(mesh.ici, dcn), what, log)
+      simulate_cpu_devices(cpu_devices_for_mesh(mesh.ici, dcn), what, log, reason)
     elif cpu_devices is not None:
-      simulate_cpu_devices(*cpu_devices, log=log)
+      simulate_cpu_devices(*cpu_devices, log=log, reason=reason)
+  else:  # a TPU or GPU: its overlap flags (config runtime.xla_flags), in one log line
+    xla_flags_lib.start(xla_flags, mesh, log)
   if compilation_cache not in (None, "", "off"):
     enable_compilation_cache(compilation_cache)

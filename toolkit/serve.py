@@ -18,6 +18,7 @@ def cli() -> None:
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   import sharding  # pylint: disable=g-import-not-at-top
   from toolkit import command_line, generate, runtime  # pylint: disable=g-import-not-at-top
+  from toolkit import xla_flags  # pylint: disable=g-import-not-at-top
   from toolkit.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from toolkit.inference import engine as engine_lib  # pylint: disable=g-import-not-at-top
   from toolkit.inference import offline, requests, restore  # pylint: disable=g-import-not-at-top
@@ -52,7 +53,8 @@ def cli() -> None:
   def main(argv) -> None:
     del argv
     command_line.quiet_logging()
-    runtime.start(cache_dir_flag.value, mesh=config_flag.value.mesh)
+    runtime.start(cache_dir_flag.value, mesh=config_flag.value.mesh,
+                  xla_flags=xla_flags.setting_of(config_flag.value))
     command_line.check_platform()
     try:
       defaults = requests.sampling_defaults(**{k: f.value for k, f in sampling_flags.items()})

@@ -13,7 +13,7 @@ import sys
 import jax
 
 import sharding
-from toolkit import command_line, runtime
+from toolkit import command_line, runtime, xla_flags
 from toolkit.errors import ConfigError
 from toolkit.evaluation import periodic
 from toolkit.inference import text as text_lib
@@ -72,10 +72,11 @@ def cli() -> None:
       from toolkit.pod import plan as plan_lib  # pylint: disable=g-import-not-at-top
       try:
         config = plan_lib.apply_plan(config, plan_flag.value,
-                                     command_line.override_fields(sys.argv))
+                                     command_line.override_fields(sys.argv),
+                                     command_line.config_argument(sys.argv))
       except ConfigError as e:
         command_line.fail(e, command_line.USAGE_EXIT)
-    runtime.start(cache_flag.value, mesh=config.mesh)
+    runtime.start(cache_flag.value, mesh=config.mesh, xla_flags=xla_flags.setting_of(config))
     try:
       processes = distributed.initialize(
           coordinator_flag.value, num_processes_flag.value, process_id_flag.value,

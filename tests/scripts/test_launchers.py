@@ -73,7 +73,9 @@ def recorder(tmp_path):
         "stdin = '' if sys.stdin.isatty() else sys.stdin.read()\n"
         "record = dict(name=os.path.basename(sys.argv[0]), argv=sys.argv[1:], cwd=os.getcwd(),\n"
         "              stdin=stdin, env={k: os.environ.get(k) for k in\n"
-        "                               ('MESHKIT_TEST', 'JAX_LOCAL_DEVICE_IDS', 'XLA_FLAGS')})\n"
+        "                               ('MESHKIT_TEST', 'JAX_LOCAL_DEVICE_IDS', 'XLA_FLAGS',\n"
+        "                                'XLA_CLIENT_MEM_FRACTION', 'NCCL_DEBUG', 'JAX_PLATFORMS',\n"
+        "                                'XLA_PYTHON_CLIENT_MEM_FRACTION')})\n"
         f"open(os.path.join({str(calls)!r}, f'{{time.time_ns()}}-{{uuid.uuid4().hex}}.json'), 'w')"
         ".write(json.dumps(record))\n"
         "if os.environ.get('RECORDER_FAIL_ON') in sys.argv[1:]:\n"
@@ -567,11 +569,71 @@ def test_slurm_submits_the_printed_script(tmp_path, recorder):
   assert call["argv"] == [] and call["stdin"] == printed
 
 
+def run_slurm_script(script: str, tmp_path, recorder, env: dict | None = None) -> dict:
+  """Runs the batch script under bash with a recording srun, in tmp_path, with `env` as the
+  environment sbatch passed on from the submitting shell; the one srun call."""
+  recorder("srun", tmp_path / "bin")
+  earlier = len(recorder.calls())
+  script = script.replace(f"cd {shlex.quote(str(REPO))}", f"cd {shlex.quote(str(tmp_path))}")
+  subprocess.run(["bash", "-c", script], check=True, timeout=30, stdin=subprocess.DEVNULL,
+                 env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", **(env or {})})
+  [call] = recorder.calls()[earlier:]
+  return call
+
+
+def test_slurm_gives_every_task_the_gpu_environment(tmp_path, recorder):
+  """The GPUs or JAX's error (never a run on the CPU); JAX's share of GPU memory under its
+  current name, the old name (passed on from the submitting shell) unset so that JAX's CUDA
+  plugin loads; NCCL quiet unless asked."""
+  script = ok(launch("slurm_job.py", "--nodes=2", *SLURM, "--dry-run"))
+  assert "export XLA_CLIENT_MEM_FRACTION=0.9" in script.splitlines()
+  assert "NCCL_DEBUG" not in script and "XLA_FLAGS" not in script
+  call = run_slurm_script(script, tmp_path, recorder,
+                          env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5", "JAX_PLATFORMS": "cpu"})
+  assert call["env"]["JAX_PLATFORMS"] == "cuda,cpu"
+  assert call["env"]["XLA_CLIENT_MEM_FRACTION"] == "0.9"
+  assert call["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] is None
+  assert call["env"]["NCCL_DEBUG"] is None
+
+
+def test_slurm_gpu_environment_flags_and_the_users_env_win(tmp_path, recorder):
+  script = ok(launch("slurm_job.py", "--nodes=2", *SLURM, "--mem-fraction=0.8",
+                     "--nccl-debug=info", "--dry-run"))
+  call = run_slurm_script(script, tmp_path / "flags", recorder)
+  assert call["env"]["XLA_CLIENT_MEM_FRACTION"] == "0.8" and call["env"]["NCCL_DEBUG"] == "INFO"
+  # An --env of the old name replaces both memory lines (with both names set JAX's CUDA
+  # plugin would not load); an --env NCCL_DEBUG replaces the flag's.
+  script = ok(launch("slurm_job.py", "--nodes=2", *SLURM, "--nccl-debug=WARN",
+                     "--env=XLA_PYTHON_CLIENT_MEM_FRACTION=0.7", "--env=NCCL_DEBUG=TRACE",
+                     "--env=JAX_PLATFORMS=cuda", "--dry-run"))
+  assert "XLA_CLIENT_MEM_FRACTION" not in script and "unset" not in script
+  assert script.count("NCCL_DEBUG") == script.count("JAX_PLATFORMS") == 1
+  call = run_slurm_script(script, tmp_path / "env", recorder)
+  assert call["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.7"
+  assert call["env"]["XLA_CLIENT_MEM_FRACTION"] is None and call["env"]["NCCL_DEBUG"] == "TRACE"
+  assert call["env"]["JAX_PLATFORMS"] == "cuda"
+
+
+def test_slurm_exports_the_gpu_xla_flags_when_there_are_any():
+  """GPU_XLA_FLAGS is the place for XLA flags every GPU task gets (empty until chosen)."""
+  slurm_job = load_script("slurm_job")
+  assert slurm_job.GPU_XLA_FLAGS == ()
+  slurm_job.GPU_XLA_FLAGS = ("--xla_a=true", "--xla_b=1")
+  args, train_args = slurm_job.parse(["--nodes=1", *SLURM])
+  assert "export XLA_FLAGS='--xla_a=true --xla_b=1'" in slurm_job.batch_script(args, train_args)
+  args, train_args = slurm_job.parse(["--nodes=1", *SLURM, "--env=XLA_FLAGS=--mine"])
+  lines = slurm_job.batch_script(args, train_args).splitlines()
+  assert [line for line in lines if "XLA_FLAGS" in line] == ["export XLA_FLAGS=--mine"]
+
+
 @pytest.mark.parametrize("args,exit_code,mentions", [
     (["--nodes=0", *SLURM, "--dry-run"], 2, ["--nodes", "'0'"]),
     (["--nodes=1", "--time=soon", *SLURM, "--dry-run"], 2, ["'soon'"]),
     (["--nodes=1", "--workdir=w", "--dry-run"], 2, ["--config"]),
     (["--nodes=1", *SLURM, "--env=A", "--dry-run"], 2, ["'A'"]),
+    (["--nodes=1", *SLURM, "--mem-fraction=1.5", "--dry-run"], 2, ["--mem-fraction", "'1.5'"]),
+    (["--nodes=1", *SLURM, "--mem-fraction=most", "--dry-run"], 2, ["'most'"]),
+    (["--nodes=1", *SLURM, "--nccl-debug=LOUD", "--dry-run"], 2, ["--nccl-debug", "'LOUD'"]),
     (["--nodes=1", *SLURM], 1, ["sbatch is not on PATH"]),
 ])
 def test_slurm_mistakes_are_one_line(args, exit_code, mentions):

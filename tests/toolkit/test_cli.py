@@ -255,6 +255,10 @@ MISTAKES = [
     ("plan_and_flag_set_one_field",
      [TINY, "--workdir={W}", "--config.mesh.ici=fsdp:8", f"--plan={PLAN}"],
      ["--config.mesh.ici and --plan=", "both set mesh.ici", "drop the flag"]),
+    ("plan_for_another_experiment",
+     [TINY, "--workdir={W}", f"--plan={PLAN.parent / 'plan_for_moe.json'}"],
+     ["plan_for_moe.json was made for --config=experiments/moe.py:size=8x7b, not "
+      "experiments/lm.py:tiny", "python -m toolkit.compile --config=experiments/lm.py:tiny"]),
     ("mesh_does_not_divide_devices", [TINY, "--workdir={W}", "--config.mesh.ici=fsdp:3"],
      ["mesh.ici", "fsdp:3", "sizes must multiply to 8"]),
     ("mesh_two_wildcards", [TINY, "--workdir={W}", "--config.mesh.ici=fsdp:-1,tensor:-1"],

@@ -27,8 +27,13 @@ The report, printed and as JSON (--json):
                       micro-batches), the same with loops counted, and the model formula
   collectives         from compiled.as_text(), by kind and mesh axes, bytes per step with loop
                       trip counts applied; what crosses slices (DCN) is flagged
+  async               collectives scheduled async (start/done pairs) and synchronous, by
+                      kind (`toolkit.pod.scheduling`), and the overlap flags libtpu compiled
+                      with (toolkit/xla_flags.py; toolkit.compile sets them)
   step time           compute at the chip's peak plus communication at the table's ICI/DCN
-                      bandwidth, no overlap
+                      bandwidth, less the ICI time the async collectives can hide behind
+                      compute (each kind's bytes times its share of async instructions, at
+                      most the compute time); the bound without overlap beside it
 Exit status: 0 fits (or a CPU target), 1 does not fit (or the compiler failed otherwise: its
 first line is the error), 2 bad input (flags, config, sharding
 lint: replicated parameters above the limit with replicated_action=fail, dimensions that do not
@@ -49,9 +54,11 @@ import sharding
 from models import lora
 from models import pipeline as pipeline_lib
 from toolkit import workdir
+from toolkit import xla_flags
 from toolkit.errors import ConfigError
 from toolkit.pod import collectives as collectives_lib
 from toolkit.pod import estimate
+from toolkit.pod import scheduling
 from toolkit.pod.report import Report
 from toolkit.pod.target import Target
 from toolkit.training import setup as setup_lib
@@ -150,13 +157,17 @@ def compile_report(config: ml_collections.ConfigDict, target: Target, *,
   traced, compiled, out_of_memory, compile_seconds = _compile(setup, target)
   memory, analytic, verdict = _memory_verdict(compiled, out_of_memory, shape, target, notes)
   flops = _flops(shape, target, traced, compiled)
+  if flops["model_formula_per_device"] > flops["traced_per_device"] * (1 + 1e-6):
+    notes.append(_undercount_note(flops))
   found: list[collectives_lib.Collective] = []
+  overlap = None
   if compiled is not None:
     text = compiled.as_text()
     if hlo_path:
       workdir.write_text(hlo_path, text)  # a local file or a gs:// object
     found = collectives_lib.parse(text, list(spec.mesh.shape.items()),
                                   _slice_ids(spec.mesh, target))
+    overlap = _overlap(text, target)
   if shape.activation_ways("layers") > 1:
     notes.append(_pipeline_note(found, shape.activation_ways("layers"),
                                 config.model.pipeline_microbatches, config.train.microbatches,
@@ -164,12 +175,24 @@ def compile_report(config: ml_collections.ConfigDict, target: Target, *,
   summaries = collectives_lib.summarize(found)
   communication = _communication(shape, summaries)
   step_time = _step_time(flops, communication, target, compiled is not None)
+  if step_time and overlap:
+    step_time.update(_hidden(step_time, summaries, overlap, target))
   return Report(
       target=_target_dict(target), run=_run_dict(config, spec, shape), lint=lint,
       verdict=verdict, compile_seconds=compile_seconds, memory=memory,
       out_of_memory=out_of_memory, analytic=analytic, flops=flops,
       collectives=[dataclasses.asdict(s) for s in summaries], communication=communication,
-      step_time=step_time, notes=notes)
+      step_time=step_time, notes=notes, overlap=overlap)
+
+
+def _overlap(hlo_text: str, target: Target) -> dict:
+  """Whether the compiled step overlaps its collectives with compute: async start/done pairs
+  and synchronous collectives by kind (toolkit/pod/scheduling.py), and for a TPU the flags
+  libtpu compiled with (LIBTPU_INIT_ARGS as it loaded: toolkit.xla_flags's preset, the
+  user's own)."""
+  overlap = scheduling.read(hlo_text).as_dict()
+  overlap["flags"] = xla_flags.in_effect("tpu") if target.is_tpu else None
+  return overlap
 
 
 def _pipeline_note(found: list[collectives_lib.Collective], stages: int, microbatches: int,
@@ -257,21 +280,38 @@ def _memory_verdict(compiled, out_of_memory, shape, target: Target, notes: list[
   return memory, analytic, verdict
 
 
+def traced_flops_per_device(shape, jaxpr) -> float:
+  """The step's FLOPs per device that its time estimate and MFU use: the traced program's
+  matmuls (`program_flops`; its shapes are global) over the devices that split the work,
+  plus the attention a trace cannot count (`estimate.kernel_attention_flops_per_device`)."""
+  return (program_flops(jaxpr) / shape.work_ways
+          + estimate.kernel_attention_flops_per_device(shape))
+
+
 def _flops(shape, target: Target, traced, compiled) -> dict:
-  split = shape.activation_ways("batch") * shape.activation_ways("mlp")
   flops = {"model_formula_per_step": estimate.model_flops_per_step(shape),
            "model_formula_per_device": estimate.model_flops_per_step(shape) / target.chips,
            "analytic_executed_per_device": estimate.executed_flops_per_device(shape),
            "traced_per_step": program_flops(traced.jaxpr),
+           "traced_per_device": traced_flops_per_device(shape, traced.jaxpr),
            "kernel_attention_per_device": estimate.kernel_attention_flops_per_device(shape),
            "note": FLOPS_NOTE}
-  flops["traced_per_device"] = (flops["traced_per_step"] / split
-                                + flops["kernel_attention_per_device"])
   if compiled is not None:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     flops["xla_per_device"] = float(cost.get("flops", 0.0)) if cost else 0.0
   return flops
+
+
+def _undercount_note(flops: dict) -> str:
+  """Why MFU reads above what the step achieves: model FLOPs exceed the traced count, which
+  holds the same work plus remat's recomputation and attention's masked pairs. Said, not
+  clamped."""
+  return (f"the model formula's {flops['model_formula_per_device']:.3e} FLOPs per device exceed "
+          f"the traced step's {flops['traced_per_device']:.3e}, so the step time is short and "
+          f"MFU too high: either the step skips work the formula counts (a MoE capacity factor "
+          f"below 1 drops assignments) or the count misses some (a loop or kernel "
+          f"toolkit.pod.aot.program_flops leaves out and the estimate does not add: a bug)")
 
 
 def _communication(shape, summaries) -> dict:
@@ -296,6 +336,24 @@ def _step_time(flops: dict, communication: dict, target: Target, compiled: bool)
   return step_time
 
 
+def _hidden(step_time: dict, summaries, overlap: dict, target: Target) -> dict:
+  """The ICI time the compiled schedule can hide behind compute: each kind's ICI bytes times
+  the share of its instructions scheduled async (start/done pairs), up to the compute time;
+  DCN transfers and synchronous collectives stay exposed. The instruction share stands in for
+  the byte share (the schedule names instructions, not transfers). Returns the fields to
+  update: hidden_s, no_overlap_s (the bound without overlap) and total_s with the hidden time
+  taken off (model_flops_utilization with it)."""
+  pairs, synchronous = overlap["async_pairs"], overlap["synchronous"]
+  share = {k: pairs.get(k, 0) / (pairs.get(k, 0) + synchronous.get(k, 0))
+           for k in set(pairs) | set(synchronous) if pairs.get(k, 0) + synchronous.get(k, 0)}
+  hideable = sum(s.ici_bytes * share.get(s.kind, 0.0) for s in summaries)
+  hidden = min(step_time["compute_s"], hideable / target.ici_bytes_per_second)
+  total = step_time["total_s"] - hidden
+  return {"hidden_s": hidden, "no_overlap_s": step_time["total_s"], "total_s": total,
+          "model_flops_utilization": step_time["model_flops_utilization"]
+          * step_time["total_s"] / total}
+
+
 def _run_dict(config: ml_collections.ConfigDict, spec, shape) -> dict:
   model, mesh = spec.model, spec.mesh
   return {"params": shape.param_count, "d_model": model.d_model, "n_layers": model.n_layers,
@@ -318,19 +376,23 @@ FLOPS_NOTE = (
     "sequences, so it is shown but not used. traced: matmul FLOPs (dot_general, 2 per "
     "multiply-add) of the step's jaxpr, the program XLA compiles, with scan bodies counted "
     "length times and remat recomputation included, divided over the devices that split the "
-    "work (batch axes x tensor); a while loop's body (blockwise attention's block loops) counts "
-    "once; the splash kernel's matmuls, invisible in the program, are added by the analytic "
-    "count (toolkit.pod.estimate.attention_flops_per_token). A mixture of experts' ragged dots "
-    "count every row of their buffer: the ring of experts multiplies the tokens gathered from "
-    "its expert-axis peers, of which its own experts get about 1/(expert ways). model formula: "
-    "LlamaConfig.flops_per_token x tokens / devices (a token's k experts)")
+    "work (batch axes x tensor x sequence x pipeline stages); the splash kernel's matmuls "
+    "(inside a Pallas call) and causal blockwise attention's (in while loops of unknown trip "
+    "count) are left out of the program and added by the analytic count "
+    "(toolkit.pod.estimate.attention_flops_per_token). A mixture of experts' ragged dots count "
+    "every row of their buffer: the ring of experts multiplies the tokens gathered from its "
+    "expert-axis peers, of which its own experts get about 1/(expert ways). model formula: "
+    "LlamaConfig.flops_per_token x tokens / devices (a token's k experts; causal attention at "
+    "half the (query, key) pairs, as MaxText counts it), the numerator of MFU")
 
 
 def program_flops(jaxpr) -> float:
   """Matmul FLOPs of a (closed) jaxpr: 2 x multiply-adds of every dot_general (and ragged
   dot), scan bodies times their length, the larger branch of a cond, a shard_map body (one
   device's share) times the devices of its mesh, other sub-jaxprs (pjit, remat,
-  custom_jvp/vjp) once. A while loop's trip count is unknown here: its body counts once."""
+  custom_jvp/vjp) once. Left out, for `estimate.kernel_attention_flops_per_device` to count:
+  a Pallas kernel (its jaxpr is one grid step's) and a while loop, whose trip count is
+  unknown here (in the train step: causal blockwise attention's block loops)."""
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   total = 0.0
   for eqn in jaxpr.eqns:
@@ -349,6 +411,8 @@ def program_flops(jaxpr) -> float:
       total += eqn.params["mesh"].size * program_flops(eqn.params["jaxpr"])
     elif name == "cond":
       total += max(program_flops(b) for b in eqn.params["branches"])
+    elif name in ("while", "pallas_call"):
+      continue
     else:
       for value in eqn.params.values():
         if hasattr(value, "eqns") or hasattr(getattr(value, "jaxpr", None), "eqns"):

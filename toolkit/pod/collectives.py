@@ -13,8 +13,9 @@ and whether a group crosses slices (DCN). The text differs by backend, and all o
 
 XLA's own cost analysis counts the body of a while loop once; so would a plain count of
 instructions. Here each computation is weighted by how often it runs: a `while` body by the
-trip count read from its condition (`compare(i, constant(N)), direction=LT`), so collectives
-inside the scanned layers count once per layer and per micro-batch.
+trip count read from its loop counter (start, step and bound: `toolkit.pod.hlo.loop_trips`),
+so collectives inside the scanned layers count once per layer and per micro-batch, and those
+of a windowed einsum's ring loop once per ring step pair.
 
 Device ids in the groups are positions in the mesh's device array (`mesh.devices.flat`): jit
 assigns devices in that order, and with `use_global_device_ids` the ids index that order.
@@ -34,6 +35,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from toolkit.pod import hlo
+
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 _OPCODES = {
@@ -49,12 +52,13 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u1
                 "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
                 "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b(pred|bf16|f8\w*|[suf]\d+|c64|c128)\[([\d,]*)\]")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _CALLS = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)")
 _CALL_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _CONSTANT = re.compile(r"=\s*[su](?:32|64)\[\]\S*\s+constant\((\d+)\)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+# The HLO text reader's parts (toolkit.pod.scheduling imports them from here too).
+_HEADER, _INSTRUCTION, _split_type = hlo.HEADER, hlo.INSTRUCTION, hlo.split_type
+_ASYNC_ECHO_CALL = re.compile(r"\basync-(?:update|done)\(")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,19 +125,6 @@ def array_bytes(type_text: str) -> int:
     size = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
     total += size * math.prod(int(d) for d in dims.split(",") if d)
   return int(total)
-
-
-def _split_type(rest: str) -> tuple[str, str]:
-  """'(f32[2], s32[]) all-reduce(...)' -> ('(f32[2], s32[])', 'all-reduce(...)')."""
-  if rest.startswith("("):
-    depth = 0
-    for i, char in enumerate(rest):
-      depth += char == "("
-      depth -= char == ")"
-      if depth == 0:
-        return rest[:i + 1], rest[i + 1:].lstrip()
-  type_text, _, tail = rest.partition(" ")
-  return type_text, tail
 
 
 def _tuple_elements(type_text: str) -> list[str]:
@@ -204,7 +195,7 @@ class _Computation:
 def _computations(hlo_text: str) -> tuple[dict[str, _Computation], str | None]:
   computations: dict[str, _Computation] = {}
   entry, current = None, None
-  for line in hlo_text.splitlines():
+  for line in hlo.logical_lines(hlo_text):
     header = _HEADER.match(line)
     if header and not line.startswith(" "):
       current = computations.setdefault(header.group(1), _Computation(header.group(1)))
@@ -217,6 +208,8 @@ def _computations(hlo_text: str) -> tuple[dict[str, _Computation], str | None]:
     if current is None:
       continue
     current.lines.append(line)
+    if _ASYNC_ECHO_CALL.search(line):
+      continue  # the computation an async-start runs: its done does not run it again
     for how, callee in _CALLS.findall(line):
       current.calls.append((how, callee))
     for listed in _CALL_LISTS.findall(line):
@@ -224,16 +217,22 @@ def _computations(hlo_text: str) -> tuple[dict[str, _Computation], str | None]:
   return computations, entry
 
 
-def _trip_count(line: str, computations: dict[str, _Computation]) -> int:
-  """Iterations of the while loop on `line`: backend_config's known trip count, else the one
-  integer constant its condition compares against; 1 if neither is there."""
+def _trip_count(line: str, computations: dict[str, _Computation],
+                caller: _Computation | None = None) -> int:
+  """Iterations of the while loop on `line` (in computation `caller`): backend_config's known
+  trip count, else from its loop counter (`hlo.loop_trips`), else the one integer constant its
+  condition compares against; 1 if none of these is there."""
   known = _TRIP.search(line)
   if known:
     return int(known.group(1))
-  condition = re.search(r"\bcondition=%?([\w.\-]+)", line)
-  if condition and condition.group(1) in computations:
-    constants = {int(c) for l in computations[condition.group(1)].lines
-                 for c in _CONSTANT.findall(l)}
+  names = dict(re.findall(r"\b(condition|body)=%?([\w.\-]+)", line))
+  lines = lambda name: computations[name].lines if name in computations else []
+  if names.get("condition") in computations:
+    trips = hlo.loop_trips(line, lines(names["condition"]), lines(names.get("body")),
+                           caller.lines if caller else [])
+    if trips is not None:
+      return trips
+    constants = {int(c) for l in lines(names["condition"]) for c in _CONSTANT.findall(l)}
     if len(constants) == 1:
       return constants.pop()
   return 1
@@ -245,7 +244,7 @@ def _multiplicities(computations: dict[str, _Computation], entry: str | None) ->
   for comp in computations.values():
     for line in comp.lines:
       if " while(" in line:
-        trips = _trip_count(line, computations)
+        trips = _trip_count(line, computations, comp)
         for how, callee in _CALLS.findall(line):
           if how in ("body", "condition"):
             callers[callee].append((comp.name, trips))
@@ -266,6 +265,21 @@ def _multiplicities(computations: dict[str, _Computation], entry: str | None) ->
     return memo[name]
 
   return {name: runs(name) for name in computations}
+
+
+_ECHO = re.compile(r"^\s*%async-collective-done[\w.\-]*\s*=")
+
+
+def async_echoes(computations: dict[str, _Computation]) -> set[str]:
+  """Computations that repeat a collective libtpu's async collective fusion started: the
+  `async-collective-done` fusion's and the continuations' (`async_collective_fusion...`) hold
+  the same transfer again (its channel_id), which `parse` counts once, at its start
+  (toolkit/pod/scheduling.py reads the async forms)."""
+  echoes = {name for name in computations if name.startswith("async_collective_fusion")}
+  for comp in computations.values():
+    echoes.update(callee for line in comp.lines if _ECHO.match(line)
+                  for how, callee in _CALLS.findall(line) if how == "calls")
+  return echoes
 
 
 def parse(hlo_text: str, mesh_axes: Sequence[tuple[str, int]],
@@ -291,8 +305,11 @@ def parse(hlo_text: str, mesh_axes: Sequence[tuple[str, int]],
   dcn_axes = _slice_axes(slice_array, names, shape)
   computations, entry = _computations(hlo_text)
   runs = _multiplicities(computations, entry)
+  echoes = async_echoes(computations)
   found = []
   for comp in computations.values():
+    if comp.name in echoes:
+      continue  # the same transfer as its async start's (TPU async collective fusion)
     in_reduce_scatter_fusion = "reduce-scatter" in comp.name
     for line in comp.lines:
       match = _INSTRUCTION.match(line)

@@ -37,8 +37,14 @@ A mixture of experts (models/moe.py) counts its expert weights at E / (expert wa
 device, k experts' hidden activations per token, and in one layer's working set the tokens
 its exchange gathers (the ring: every expert-axis peer's tokens and their k copies).
 Communication (bytes sent per device, ring algorithms): parameter all-gathers over fsdp
-(forward and backward, per micro-batch), gradient reduce-scatter over fsdp and all-reduce over
-the other batch axes (not over the expert axes for expert weights, which they split), tensor-
+(forward and backward, per micro-batch), gradient reduce-scatter over fsdp (at the parameters'
+bytes: what XLA sends when it all-reduces the compute-dtype gradient whole, as the 7b's layers
+do, or reduce-scatters it and all-reduces the float32 table gradients, as the 1b's do) and
+all-reduce over the other batch axes in the dtype the gradient comes in (a matmul weight's as
+the cotangent of its cast to the compute dtype, the embedding tables' in the parameters' dtype
+from the lookup's scatter-add and the loss's float32 accumulator: 209.83 MiB compiled for the
+7b across two v5p-128 slices, 208.63 MiB so, 401.64 MiB all at float32; not over the expert
+axes for expert weights, which they split), tensor-
 parallel all-reduces of the residual stream (two per layer forward, two backward, two more
 when `full` remat recomputes them), under context parallelism the keys and values each layer
 gathers over the `sequence` axes (and their gradients' reduce-scatter), and per MoE layer the token exchange over the expert axes
@@ -96,6 +102,13 @@ class Shape:
   def param_ways(self, logical: str) -> int:
     return math.prod(self.mesh_shape[a] for a in self.rules.params[logical]
                      if a in self.mesh_shape)
+
+  @property
+  def work_ways(self) -> int:
+    """Devices that split a step's matmuls: the batch axes x tensor (`mlp`) x context
+    parallelism (`length`) x pipeline stages (`layers`); any other axis repeats the work."""
+    return (self.activation_ways("batch") * self.activation_ways("mlp")
+            * self.activation_ways("length") * self.activation_ways("layers"))
 
   @property
   def rows_per_device(self) -> float:
@@ -242,32 +255,49 @@ def memory(shape: Shape) -> Memory:
 
 
 def model_flops_per_step(shape: Shape) -> float:
-  """Training FLOPs of one step by the model's formula (`LlamaConfig.flops_per_token`)."""
+  """Training FLOPs of one step by the model's formula (`LlamaConfig.flops_per_token`: causal
+  attention at half the pairs), the numerator of MFU."""
   return shape.model.flops_per_token(shape.seq_len) * shape.global_batch_size * shape.seq_len
+
+
+def _kernel_block(shape: Shape) -> int:
+  """Queries (and keys) per block of the attention kernel that skips blocks: blockwise's
+  (models.blockwise._blocks), else splash's; one block for a short sequence."""
+  block = None if shape.attention == "blockwise" else attention_lib.splash_block(
+      shape.seq_len, shape.seq_len)
+  return min(block or attention_lib.BLOCK, shape.seq_len)
 
 
 def attention_flops_per_token(shape: Shape) -> float:
   """Attention FLOPs (scores and values, all layers) one token costs as executed: forward,
   backward and what remat recomputes. `xla` computes every (query, key) pair, masked or not:
-  2 matmuls forward, 4 backward. The kernels skip key blocks above the causal diagonal and
+  2 matmuls forward, 4 backward. The kernels skip key blocks above the causal diagonal (n
+  blocks of b: n(n+1)/2 block pairs, b(n+1)/2 keys per query, at least half of them) and
   recompute the scores in their backward pass (5 matmuls); a policy that saves their output
-  (`minimal`, `save_attention`) never reruns their forward."""
+  (`minimal`, `save_attention`) never reruns their forward. Either is at least the model's
+  count (`LlamaConfig.attention_flops_per_token`: 6 matmuls over half the keys when causal)."""
   m = shape.model
   one_matmul = 2 * m.n_layers * m.n_heads * m.resolved_head_dim * shape.seq_len
   if shape.attention == "xla":
     rerun = {"none": 0, "minimal": 1, "save_attention": 1}.get(m.remat, 2)  # scores (and values)
     return one_matmul * (2 + 4 + rerun)
-  block = attention_lib.splash_block(shape.seq_len, shape.seq_len) or attention_lib.BLOCK
+  block = _kernel_block(shape)
   blocks = max(1, -(-shape.seq_len // block))
-  visible = (blocks + 1) / (2 * blocks) if m.causal else 1.0  # block pairs computed
+  pairs = blocks * (blocks + 1) / 2 if m.causal else blocks * blocks
+  visible = pairs * block * block / shape.seq_len ** 2  # keys computed per query / seq_len
   rerun = 0 if m.remat in ("none", "minimal", "save_attention") else 2
   return one_matmul * (2 + 5 + rerun) * visible
 
 
 def kernel_attention_flops_per_device(shape: Shape) -> float:
-  """What the Pallas kernels (splash) execute per device: matmuls a traced program does not
-  show (they live inside the kernel), added to the traced count by `toolkit.pod.aot`."""
-  if shape.attention != "splash":
+  """The attention FLOPs per device that a traced program does not show, added to its count by
+  `toolkit.pod.aot`: the splash kernel's (its matmuls live inside the Pallas kernel) and
+  causal blockwise attention's without a length split (its block loops are while loops whose
+  trip count depends on the block index, which `aot.program_flops` leaves out). Under context
+  parallelism blockwise masks by position in loops of fixed length, which the trace counts."""
+  blockwise_loops = (shape.attention == "blockwise" and shape.model.causal
+                     and shape.activation_ways("length") == 1)
+  if shape.attention != "splash" and not blockwise_loops:
     return 0.0
   split = shape.activation_ways("batch") * shape.activation_ways("heads")
   return attention_flops_per_token(shape) * shape.global_batch_size * shape.seq_len / split
@@ -276,8 +306,10 @@ def kernel_attention_flops_per_device(shape: Shape) -> float:
 def executed_flops_per_device(shape: Shape) -> float:
   """FLOPs one device executes: the weight matmuls (6 per parameter per token) plus what remat
   recomputes of them, the attention as executed (`attention_flops_per_token`), divided over
-  the devices that split the work (batch axes x tensor); devices that only replicate work (an
-  axis neither the batch nor the tensor rules use) do it again."""
+  the devices that split the work (`Shape.work_ways`); devices that only replicate work (an
+  axis no rule for that work uses) do it again. Never below the model's count per device
+  (`model_flops_per_step` / devices): the same weight matmuls, at least as many attention
+  pairs, plus recomputation."""
   m = shape.model
   d, hd = m.d_model, m.resolved_head_dim
   output_projection = d * m.n_heads * hd
@@ -291,15 +323,13 @@ def executed_flops_per_device(shape: Shape) -> float:
   }.get(m.remat, 0)
   # The chunked vocabulary loss runs the output layer's three matmuls once, as the full-logits
   # path does (toolkit.training.losses): nothing to add for it.
-  per_token = (m.flops_per_token(shape.seq_len) - 12 * m.n_layers * m.n_heads * hd * shape.seq_len
+  per_token = (m.flops_per_token(shape.seq_len) - m.attention_flops_per_token(shape.seq_len)
                + 2 * m.n_layers * recomputed + attention_flops_per_token(shape))
   stages = shape.activation_ways("layers")
-  split = (shape.activation_ways("batch") * shape.activation_ways("mlp")
-           * shape.activation_ways("length") * stages)
   # A pipeline's stages also run the bubble's slots (on zeros): (M + S - 1) / M of the work.
   work = m.pipeline_microbatches * m.pipeline_repeats
   bubble = 1.0 if stages == 1 else (work + stages - 1) / work
-  return per_token * shape.global_batch_size * shape.seq_len / split * bubble
+  return per_token * shape.global_batch_size * shape.seq_len / shape.work_ways * bubble
 
 
 def communication(shape: Shape) -> tuple[float, float]:
@@ -345,8 +375,10 @@ def communication(shape: Shape) -> tuple[float, float]:
   if adapted:
     reduced = [(shape.trainable_count * 4, replica_axes)]
   else:
-    reduced = [((n - experts) * p, replica_axes),
-               (experts / ep * p, [x for x in replica_axes if x not in expert_axes])]
+    # In the dtype they come in: compute for matmul weights, float32 tables (module docstring).
+    tables = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+    reduced = [((n - experts - tables) * a + tables * p, replica_axes),
+               (experts / ep * a, [x for x in replica_axes if x not in expert_axes])]
   for volume, axes in reduced:
     i, d = split(volume / (f * t), axes, 2.0 * micro)
     ici, dcn_bytes = ici + i, dcn_bytes + d

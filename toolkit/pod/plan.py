@@ -16,13 +16,17 @@ to exactly the searched size and on fewer devices (a CPU rehearsal) it scales do
 
   config = plan.apply_plan(config, "plan.json")   # a copy with the overrides set
 
+A plan made for another experiment file is refused, one made for another variant of the same
+file (size=7b vs size=1b) is used with a one-line warning (`check_made_for`).
+
 A plan file may be a gs:// URL (read and written through toolkit.workdir).
 """
 from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 
 import ml_collections
 
@@ -78,12 +82,38 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict,
   return config
 
 
+def check_made_for(plan: dict, path: str, config_argument: str | None,
+                   warn: Callable[[str], None] = print) -> None:
+  """Refuses a plan made for another experiment file, and warns (one line) about a plan made
+  for another variant of this one: its layout was searched for that model and batch.
+  `config_argument` is this run's --config value (None: not known, nothing checked)."""
+  made_for = plan.get("config_argument") or ""
+  if not config_argument or not made_for:
+    return
+  def split(argument: str) -> tuple[str, str]:
+    file, _, variant = argument.partition(":")
+    return os.path.normpath(file), variant
+  (plan_file, plan_variant), (file, variant) = split(made_for), split(config_argument)
+  if os.path.basename(plan_file) != os.path.basename(file):
+    raise ConfigError(f"--plan={path} was made for --config={made_for}, not {config_argument}; "
+                      f"make one for this experiment with python -m toolkit.compile "
+                      f"--config={config_argument} --topology=... --plan, or drop --plan")
+  if plan_variant != variant:
+    warn(f"warning: --plan={path} was made for --config={made_for}; this run is "
+         f"--config={config_argument}, so its layout was searched for another model or batch "
+         f"(python -m toolkit.compile --config={config_argument} --plan makes one for it)")
+
+
 def apply_plan(config: ml_collections.ConfigDict, path: str,
-               flagged: Sequence[str] = ()) -> ml_collections.ConfigDict:
+               flagged: Sequence[str] = (), config_argument: str | None = None,
+               warn: Callable[[str], None] = print) -> ml_collections.ConfigDict:
   """A copy of `config` with the plan's overrides; validate it with `toolkit.training.config.resolve`
   (`toolkit.training.run` does). `flagged`: fields also set by --config.FIELD flags, which
-  would be silently replaced, so they are refused."""
-  overrides = load_plan(path)["overrides"]
+  would be silently replaced, so they are refused. `config_argument`: this run's --config
+  value, checked against the one the plan was made for (`check_made_for`)."""
+  plan = load_plan(path)
+  check_made_for(plan, path, config_argument, warn)
+  overrides = plan["overrides"]
   both = [field for field in flagged if field in overrides]
   if both:
     raise ConfigError(f"--config.{both[0]} and --plan={path} both set {both[0]}; drop the flag "

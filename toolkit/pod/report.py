@@ -23,6 +23,9 @@ class Report:
   communication: dict
   step_time: dict
   notes: list[str]
+  # Async collective start/done pairs and synchronous collectives by kind, and the overlap
+  # flags compiled with (aot._overlap); None when nothing compiled.
+  overlap: dict | None = None
 
   @property
   def exit_code(self) -> int:
@@ -72,7 +75,8 @@ def _seconds(s: float) -> str:
 def format_report(report: Report) -> str:
   """The report as `python -m toolkit.compile` prints it."""
   return "\n".join(_run_lines(report) + [""] + _memory_lines(report) + [""]
-                   + _flops_lines(report) + _communication_lines(report))
+                   + _flops_lines(report) + _overlap_lines(report)
+                   + _communication_lines(report))
 
 
 def _run_lines(r: Report) -> list[str]:
@@ -168,7 +172,7 @@ def _flops_lines(r: Report) -> list[str]:
   if "xla_per_device" in f:
     lines.append(f"  XLA cost analysis        {f['xla_per_device']:.3e}  (loop bodies at most "
                  f"once: not used)")
-  kernel = (f", splash kernels {f['kernel_attention_per_device']:.3e} by formula"
+  kernel = (f", {r.run['attention']} attention {f['kernel_attention_per_device']:.3e} by formula"
             if f.get("kernel_attention_per_device") else "")
   lines.append(f"  traced step (matmuls)    {f['traced_per_device']:.3e}  (loops counted, remat "
                f"recompute included{kernel})")
@@ -187,6 +191,35 @@ def _flops_lines(r: Report) -> list[str]:
   return lines
 
 
+def _overlap_lines(r: Report) -> list[str]:
+  """One line: how many collectives were scheduled async (start/done pairs, which can overlap
+  compute) and how many run synchronously, and the flags a TPU compile ran with."""
+  o = r.overlap
+  if not o:
+    return []
+  total = o["async_pair_count"] + o["synchronous_count"]
+  line = (f"async      {o['async_pair_count']} of {total} collectives scheduled async"
+          f"{_by_kind(o['async_pairs'], ' (start/done pairs: ', ')')}"
+          f"{_by_kind(o['synchronous'], '; synchronous: ')}")
+  flags = o.get("flags")
+  if flags is not None:
+    ours, yours = flags["preset"], " ".join(flags["yours"])
+    if ours:
+      line += (f"; {flags['variable']}: {len(ours)} overlap flags of toolkit/xla_flags.py"
+               + (f" and yours: {yours}" if yours else ""))
+    else:
+      line += f"; {flags['variable']}: " + (f"yours only: {yours}" if yours else
+                                             "empty (libtpu's defaults)")
+  return ["", line]
+
+
+def _by_kind(counts: dict[str, int], before: str = "", after: str = "") -> str:
+  """{'all-gather': 12, 'all-reduce': 1} -> before + 'all-gather 12, all-reduce 1' + after."""
+  if not counts:
+    return ""
+  return before + ", ".join(f"{kind} {n}" for kind, n in counts.items()) + after
+
+
 def _communication_lines(r: Report) -> list[str]:
   comm = r.communication
   lines = [""]
@@ -201,10 +234,15 @@ def _communication_lines(r: Report) -> list[str]:
                  f"{human_bytes(comm['dcn_bytes_analytic'])}")
   if r.step_time:
     s = r.step_time
+    if "hidden_s" in s:
+      overlap = (f" - {_seconds(s['hidden_s'])} of ICI hidden behind compute by the async "
+                 f"collectives ({s['communication']} communication; "
+                 f"{_seconds(s['no_overlap_s'])} without overlap)")
+    else:
+      overlap = f" (no overlap, {s['communication']} communication)"
     lines.append(f"step time  {_seconds(s['total_s'])} estimated = compute {_seconds(s['compute_s'])}"
-                 f" + ICI {_seconds(s['ici_s'])} + DCN {_seconds(s['dcn_s'])} (no overlap, "
-                 f"{s['communication']} communication); model FLOPs utilization "
-                 f"{s['model_flops_utilization']:.0%}")
+                 f" + ICI {_seconds(s['ici_s'])} + DCN {_seconds(s['dcn_s'])}{overlap}; model "
+                 f"FLOPs utilization {s['model_flops_utilization']:.0%}")
   return lines
 
 

@@ -20,6 +20,7 @@ from models import attention as attention_lib
 from models import pipeline as pipeline_lib
 from toolkit.data import text
 from toolkit import workdir as workdir_lib
+from toolkit import xla_flags
 from toolkit.errors import ConfigError
 from toolkit.training import init_from
 from toolkit.training.profiler import parse_profile_steps
@@ -89,6 +90,10 @@ def defaults() -> ml_collections.ConfigDict:
       # each step (batch, Python) and one 1.15x slower than the median is named
       # (toolkit/training/stragglers.py); 0 is off.
       straggler_every=100))
+  # Process set-up before JAX starts (toolkit.runtime.start, toolkit.compile). xla_flags: the
+  # compiler flags that overlap collectives with compute on a TPU or GPU (toolkit/xla_flags.py),
+  # "auto" (the platform's preset; flags already in LIBTPU_INIT_ARGS / XLA_FLAGS win) or "none".
+  c.runtime = ml_collections.ConfigDict(dict(xla_flags="auto"))
   return c
 
 
@@ -143,6 +148,7 @@ def resolve(config: ml_collections.ConfigDict,
       raise ConfigError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}; "
                         f"remove it from the experiment's get_config or fix its name")
   check_ranges(config)
+  xla_flags.check_setting(xla_flags.setting_of(config))
   model = model_config(config.model)
   mesh = _mesh(config.mesh, devices)
   s = config.sharding

@@ -23,6 +23,12 @@ become their softmax gradient at once and fold into the features' gradient (kept
 and the output matrix's (accumulated in float32). No logits are saved or computed twice: the
 three output-layer matmuls of the full-logits path, no more, and peak memory holds one chunk.
 Not differentiated (eval), only the losses are computed.
+
+Sharded (the path XLA partitions: TPU, and CPU where the vocabulary-parallel one does not
+apply), the output matrix is gathered into its compute layout once, before the chunks, and its
+gradient kept as one float32 partial sum per batch shard, reduced once after them: left to
+the partitioner, every chunk gathered the matrix and reduce-scattered its gradient (46 GiB per
+device and step on the 1b on v5p-32, docs/compile.md).
 """
 from __future__ import annotations
 
@@ -114,6 +120,8 @@ def chunked_losses(features, matrix, targets, letters: str, chunk: int, weights=
   """(mean cross-entropy, mean logsumexp^2) over chunks of `chunk` positions; features
   (batch, length, embed), matrix and letters as `Llama.unembedding` gives them; weighted by
   `weights` (batch, length) when given. For metrics: differentiate `chunked_objective`."""
+  matrix = _compute_layout(matrix, letters)
+
   def one(sums, xs):
     _, _, ce, z = _chunk_losses(*xs, matrix, letters)
     return (sums[0] + ce, sums[1] + z), None
@@ -155,6 +163,13 @@ def _objective_and_grads(features, matrix, targets, weights, letters, chunk, z_l
     return _vocab_parallel_objective_and_grads(features, matrix, targets, weights, letters,
                                                chunk, z_loss, split)
   scale = 1.0 / targets.size if weights is None else 1.0 / weight_total(weights)
+  matrix = _compute_layout(matrix, letters)
+  xs = _chunks(features, targets, chunk, weights)
+  # One partial sum of the matrix's gradient per batch shard (the leading axis, split like the
+  # batch), reduced once after the loop: a chunk's tokens are split over the batch axes, and
+  # a gradient laid out as stored would be reduce-scattered in every chunk.
+  shards = sharding.active_ways("batch") if xs[0].ndim == 3 else 1
+  partial_axes = ("batch",) + _matrix_axes(letters)
 
   def one(carry, xs):
     ce_sum, z_sum, d_matrix = carry
@@ -165,16 +180,36 @@ def _objective_and_grads(features, matrix, targets, weights, letters, chunk, z_l
     d_logits = sharding.constrain(d_logits.astype(matrix.dtype), axes)
     d_features = jnp.einsum(f"...v,{letters}->...e", d_logits, matrix,
                             preferred_element_type=jnp.float32).astype(features.dtype)
-    d_matrix = d_matrix + jnp.einsum(f"...v,...e->{letters}", d_logits, f,
-                                     preferred_element_type=jnp.float32)
+    if shards > 1:
+      per_shard = lambda x: x.reshape(shards, -1, x.shape[-1])
+      d_matrix = sharding.constrain(d_matrix + jnp.einsum(
+          f"stv,ste->s{letters}", per_shard(d_logits), per_shard(f),
+          preferred_element_type=jnp.float32), partial_axes)
+    else:
+      d_matrix = d_matrix + jnp.einsum(f"...v,...e->{letters}", d_logits, f,
+                                       preferred_element_type=jnp.float32)
     return (ce_sum + ce, z_sum + z, d_matrix), d_features
 
   zero = jnp.zeros((), jnp.float32)
-  (ce, z, d_matrix), d_features = jax.lax.scan(
-      one, (zero, zero, jnp.zeros(matrix.shape, jnp.float32)),
-      _chunks(features, targets, chunk, weights))
+  d_matrix = jnp.zeros(((shards,) if shards > 1 else ()) + matrix.shape, jnp.float32)
+  if shards > 1:
+    d_matrix = sharding.constrain(d_matrix, partial_axes)
+  (ce, z, d_matrix), d_features = jax.lax.scan(one, (zero, zero, d_matrix), xs)
+  if shards > 1:
+    d_matrix = d_matrix.sum(axis=0)
   objective = (ce + z_loss * z) * scale
   return objective, (_unchunk(d_features, *targets.shape), d_matrix.astype(matrix.dtype))
+
+
+def _matrix_axes(letters: str) -> tuple[str, str]:
+  return tuple("vocab" if c == "v" else "embed" for c in letters)
+
+
+def _compute_layout(matrix, letters: str):
+  """The output matrix as the activation rules lay it out (the vocabulary split over the
+  tensor axes, the embedding whole): gathered once before the loop over chunks, where XLA's
+  partitioner, left alone, gathers it from its stored layout in every chunk."""
+  return sharding.constrain(matrix, _matrix_axes(letters))
 
 
 def vocab_parallel_axes(vocab: int, letters: str) -> tuple[str, ...]:

@@ -38,6 +38,7 @@ from toolkit.pod import aot as compile_lib
 from toolkit.pod import report as report_lib
 from toolkit.pod import candidates, planner, target as target_lib
 from toolkit import training as train
+from toolkit import xla_flags
 from toolkit.errors import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -112,17 +113,26 @@ def test_cpu_lm_compiles_and_fits_on_small_slices(topology):
   assert 0 < report.memory["headroom"] < report.memory["hbm"]  # fits, and uses some HBM
   # The mesh is the config's, its -1 filled from the target: fsdp x tensor=2.
   assert report.run["mesh"] == {"data": 1, "fsdp": len(tpu.devices) // 2, "tensor": 2}
-  # remat none: the traced matmul FLOPs are the formula's (both count attention in full).
+  # remat none, xla attention: the traced matmul FLOPs are the formula's plus the masked half
+  # of the (query, key) pairs, which xla computes and the formula (causal) does not count.
+  masked = (LlamaConfig.preset("cpu").attention_flops_per_token(config.data.seq_len)
+            * config.data.global_batch_size * config.data.seq_len / report.target["devices"])
   assert report.flops["traced_per_device"] == pytest.approx(
-      report.flops["model_formula_per_device"], rel=1e-6)
+      report.flops["model_formula_per_device"] + masked, rel=1e-6)
   kinds = {(c["kind"], c["axes"]) for c in report.collectives}
   assert ("all-gather", "fsdp") in kinds       # parameters gathered for compute
   assert ("all-reduce", "tensor") in kinds     # tensor-parallel partial sums
   assert not any(c["dcn"] for c in report.collectives)
+  # With the overlap flags (tests/conftest.py sets them as toolkit.compile does) the fsdp
+  # all-gathers are async start/done pairs: 12 of 17 here; tests/toolkit/pod/test_overlap.py
+  # has the control without them.
+  assert report.overlap["async_pairs"].get("all-gather", 0) >= 4, report.overlap
+  assert report.overlap["flags"] == xla_flags.in_effect("tpu")
   assert report.step_time["total_s"] > report.step_time["compute_s"] > 0
   json.dumps(report.as_dict(), default=str)    # the --json payload serializes
   text = report.format()
   assert "FITS" in text and "generated code" in text and "total = arguments" in text
+  assert "\nasync      " in text and "(start/done pairs: all-gather " in text
 
 
 
