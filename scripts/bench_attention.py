@@ -13,8 +13,9 @@ switches from xla to blockwise off TPU and GPU, comes from this table.
 from __future__ import annotations
 
 import json
+import os
 import statistics
-import time
+import sys
 
 from absl import app, flags
 
@@ -31,20 +32,17 @@ IMPLEMENTATIONS = ("xla", "blockwise")
 
 
 def timed_steps(length: int, batch: int, heads: int, head_dim: int):
-  """Per implementation, a compiled forward+backward and its inputs."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  """Per implementation, a compiled forward+backward and its inputs (scripts/timing.py)."""
+  timing = _timing()
+  inputs = timing.attention_inputs(batch, length, heads, heads, head_dim)
+  return timing.attention_steps(inputs, IMPLEMENTATIONS), inputs
 
-  from models import attention  # pylint: disable=g-import-not-at-top
 
-  keys = jax.random.split(jax.random.key(0), 3)
-  q, k, v = (jax.random.normal(key, (batch, length, heads, head_dim), jnp.float32)
-             for key in keys)
-  steps = {}
-  for name in IMPLEMENTATIONS:
-    loss = lambda q, k, v, name=name: attention.attend(q, k, v, True, name).sum()
-    steps[name] = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
-  return steps, (q, k, v)
+def _timing():
+  """scripts/timing.py, importable from a plain checkout too."""
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from scripts import timing  # pylint: disable=g-import-not-at-top
+  return timing
 
 
 def main(argv) -> None:
@@ -52,20 +50,14 @@ def main(argv) -> None:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   from toolkit import runtime  # pylint: disable=g-import-not-at-top
   runtime.start()
-  import jax  # pylint: disable=g-import-not-at-top
+  timing = _timing()
 
   rows = []
   for length in (int(n) for n in _LENGTHS.value):
     steps, inputs = timed_steps(length, _BATCH.value, _HEADS.value, _HEAD_DIM.value)
-    for step in steps.values():  # warm up
-      jax.block_until_ready(step(*inputs))
-    times = {name: [] for name in steps}
-    for _ in range(_ROUNDS.value):
-      for name, step in steps.items():
-        start = time.perf_counter()
-        for _ in range(_REPEATS.value):
-          jax.block_until_ready(step(*inputs))
-        times[name].append((time.perf_counter() - start) / _REPEATS.value)
+    times = timing.time_alternating(
+        {name: (lambda step=step: step(*inputs)) for name, step in steps.items()},
+        _ROUNDS.value, _REPEATS.value)
     ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
     scores = 4 * _BATCH.value * _HEADS.value * length * length
     rows.append({"length": length, "ms": ms, "ratio": ms["blockwise"] / ms["xla"],

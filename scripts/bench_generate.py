@@ -68,37 +68,6 @@ def _apply_quick() -> None:
     flags.FLAGS[name].value = value
 
 
-def time_decode(engine, batch: int, prompt_length: int, steps: int, rng) -> float:
-  """Median seconds per decode step with every slot busy (the engine's step: rows laid out on
-  the host, the paged cache read and written, the tokens back on the host)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from toolkit.inference.engine import RowWork  # pylint: disable=g-import-not-at-top
-  from toolkit.inference.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
-  per_row, per_device = engine.pages_per_row, batch // engine.batch_ways
-  cache = engine.new_cache(batch * per_row)
-  # Row i runs on device block i // per_device, on its own pages of that block.
-  pages = [range((i % per_device) * per_row, (i % per_device + 1) * per_row)
-           for i in range(batch)]
-  greedy = SamplingParams()
-  prompts = [rng.integers(0, engine.model_cfg.vocab_size, prompt_length).astype(np.int32)
-             for _ in range(batch)]
-  rows = [RowWork(i // per_device, prompts[i], 0, pages[i], greedy, 0) for i in range(batch)]
-  cache, first, _, order = engine.step(
-      cache, [(rows, engine.prompt_bucket(prompt_length), per_device)])
-  tokens = np.asarray(first)[order]
-  rounds = []
-  for r in range(_ROUNDS.value + 1):  # round 0 compiles and warms up
-    start = time.perf_counter()
-    for i in range(steps):
-      rows = [RowWork(j // per_device, tokens[j:j + 1], prompt_length + i, pages[j], greedy,
-                      i + 1) for j in range(batch)]
-      cache, next_tokens, _, order = engine.step(cache, [(rows, 1, per_device)])
-      tokens = np.asarray(next_tokens)[order]  # the per-step host round trip of serving
-    if r:
-      rounds.append((time.perf_counter() - start) / steps)
-  return statistics.median(rounds)
-
-
 def time_recompute(engine, batch: int, prompt_length: int, steps: int, rng) -> float:
   """Median seconds per token when the forward pass runs over the whole window again."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -165,6 +134,7 @@ def main(argv) -> None:
   sys.path.insert(0, str(REPO))
   import sharding  # pylint: disable=g-import-not-at-top
   from models import Llama, LlamaConfig  # pylint: disable=g-import-not-at-top
+  from scripts import timing  # pylint: disable=g-import-not-at-top
   from toolkit.inference import engine as engine_lib  # pylint: disable=g-import-not-at-top
   from toolkit.pod.report import human_count  # pylint: disable=g-import-not-at-top
 
@@ -188,13 +158,13 @@ def main(argv) -> None:
              "decode_steps": steps, "decode": {}}
   print(f"{'batch':>6} {'step ms':>9} {'tokens/s':>10}", flush=True)
   for batch in [int(b) for b in _BATCH_SIZES.value]:
-    seconds = time_decode(engine, batch, prompt_length, steps, rng)
+    seconds = timing.time_decode(engine, batch, prompt_length, steps, _ROUNDS.value, rng)
     results["decode"][batch] = {"step_s": seconds, "tokens_per_second": batch / seconds}
     print(f"{batch:>6} {seconds * 1000:>9.2f} {batch / seconds:>10,.0f}", flush=True)
 
   batch = _COMPARE_BATCH.value
   cached = (results["decode"].get(batch, {}).get("step_s")
-            or time_decode(engine, batch, prompt_length, steps, rng))
+            or timing.time_decode(engine, batch, prompt_length, steps, _ROUNDS.value, rng))
   recomputed = time_recompute(engine, batch, prompt_length, steps, rng)
   ratio = recomputed / cached
   results["compare"] = {"batch": batch, "cached_step_s": cached, "recompute_step_s": recomputed,

@@ -8,7 +8,7 @@ One run measures, on one mesh and one batch:
   1. the f32 matmul peak: median time of a jitted 2048x2048 `jnp.dot` on one device. On CPU
      the simulated devices share the host's cores, so this is the whole machine's peak;
   2. the toolkit step, built the way `toolkit.training.run` builds it (resolve -> optimizer ->
-     layout -> create -> make_train_step -> compile_step);
+     layout -> create -> make_train_step -> jit_step; scripts/timing.py);
   3. a bare baseline: the same model and loss written directly in jax.numpy on the same
      params pytree, the same optax optimizer, jitted with the same shardings and donation,
      without extra metrics and with one sharding constraint only: the residual stream split
@@ -41,10 +41,10 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import LlamaConfig
-from toolkit.training import config as config_lib, setup as setup_lib, state as state_lib
-from toolkit.training import step as step_lib
-from toolkit import training as train
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from models import LlamaConfig  # noqa: E402  pylint: disable=wrong-import-position
+from scripts import timing  # noqa: E402  pylint: disable=wrong-import-position
+from toolkit.training import config as config_lib, setup as setup_lib  # noqa: E402
 
 TARGET_RATIO = 1.03          # toolkit step time / bare step time, at most
 TARGET_PEAK_FRACTION = 0.60  # model FLOP/s / matmul peak, at least
@@ -153,20 +153,6 @@ def _cost(compiled) -> dict[str, float]:
           "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
 
 
-def _progress(message: str) -> None:
-  print(message, file=sys.stderr, flush=True)
-
-
-def _run_steps(step_fn, state, batch, steps: int):
-  """Runs `steps` steps back to back; returns the state and the mean seconds per step."""
-  jax.block_until_ready(state)
-  start = time.perf_counter()
-  for _ in range(steps):
-    state, out = step_fn(state, batch)
-  jax.block_until_ready((state, out))
-  return state, (time.perf_counter() - start) / steps
-
-
 def _check_same_math(steps: dict, states: dict, batch, check_steps: int, rtol: float) -> dict:
   """Runs both steps `check_steps` times; raises unless their losses agree within `rtol`."""
   losses = {"toolkit": [], "bare": []}
@@ -179,7 +165,7 @@ def _check_same_math(steps: dict, states: dict, batch, check_steps: int, rtol: f
     raise AssertionError(
         f"bare losses {losses['bare']} differ from toolkit losses {losses['toolkit']} beyond "
         f"rtol={rtol}: the baseline is not the same math, so its timing is not comparable")
-  _progress(f"losses agree: {losses['toolkit']}")
+  timing.progress(f"losses agree: {losses['toolkit']}")
   return losses
 
 
@@ -187,27 +173,16 @@ def _time_rounds(steps: dict, states: dict, batch, warmup_steps: int, rounds: in
                  steps_per_round: int) -> dict[str, list[float]]:
   """Seconds per step of each round, the two steps alternating which goes first."""
   for name in steps:
-    states[name], per_step = _run_steps(steps[name], states[name], batch, warmup_steps)
-    _progress(f"warm-up {name}: {per_step * 1e3:.0f} ms/step")
+    states[name], per_step = timing.run_steps(steps[name], states[name], batch, warmup_steps)
+    timing.progress(f"warm-up {name}: {per_step * 1e3:.0f} ms/step")
   seconds = {name: [] for name in steps}
   for r in range(rounds):
     for name in (("toolkit", "bare") if r % 2 == 0 else ("bare", "toolkit")):  # cancel drift
-      states[name], per_step = _run_steps(steps[name], states[name], batch, steps_per_round)
+      states[name], per_step = timing.run_steps(steps[name], states[name], batch,
+                                                steps_per_round)
       seconds[name].append(per_step)
-      _progress(f"round {r + 1}/{rounds} {name}: {per_step * 1e3:.0f} ms/step")
+      timing.progress(f"round {r + 1}/{rounds} {name}: {per_step * 1e3:.0f} ms/step")
   return seconds
-
-
-def per_device_peak(measured: float, devices) -> float:
-  """One device's own matmul peak from `measured`, a matmul timed on one device: simulated CPU
-  devices share the host's cores (which that matmul used all of), so each gets 1/n of it; an
-  accelerator's matmul ran on its own chip."""
-  return measured / len(devices) if devices[0].platform == "cpu" else measured
-
-
-def peak_fraction(flops_per_step: float, step_s: float, measured_peak: float, devices) -> float:
-  """Model FLOP/s per device over one device's peak (MFU against the measured matmul)."""
-  return flops_per_step / len(devices) / step_s / per_device_peak(measured_peak, devices)
 
 
 def benchmark(config: ml_collections.ConfigDict, *, rounds: int, steps_per_round: int,
@@ -215,17 +190,15 @@ def benchmark(config: ml_collections.ConfigDict, *, rounds: int, steps_per_round
               matmul_repeats: int, bare_batch_constraint: bool = True) -> dict:
   """Measures the matmul peak, then the toolkit and bare steps; returns plain numbers."""
   peak = setup_lib.matmul_flops_per_second(matmul_size, matmul_repeats)
-  _progress(f"matmul peak {peak / 1e9:.1f} GFLOP/s")
+  timing.progress(f"matmul peak {peak / 1e9:.1f} GFLOP/s")
 
   # The toolkit step, built by the same `toolkit.training.build` the training loop uses.
-  setup = train.build(config)
+  built = timing.toolkit_step(config)
+  setup, toolkit_compile_s = built.setup, built.compile_s
   mesh, rules, model_cfg = setup.spec.mesh, setup.spec.rules, setup.spec.model
-  batches, optimizer, layout, step = setup.batches, setup.optimizer, setup.layout, setup.step
-  start = time.perf_counter()
-  toolkit_step, _ = step_lib.compile_step(step, layout, batches.abstract(), mesh)
-  toolkit_compile_s = time.perf_counter() - start
+  batches, optimizer, layout = setup.batches, setup.optimizer, setup.layout
 
-  # The bare step: same in/out shardings and donation as `compile_step` gives the toolkit.
+  # The bare step: same in/out shardings and donation as `step.jit_step` gives the toolkit.
   abstract_batch = batches.abstract()
   residual_sharding = (NamedSharding(mesh, rules.activation_spec(("batch", "length", "embed"),
                                                                   mesh))
@@ -237,13 +210,12 @@ def benchmark(config: ml_collections.ConfigDict, *, rounds: int, steps_per_round
       out_shardings=(layout.shardings, NamedSharding(mesh, PartitionSpec())),
       donate_argnums=0).lower(layout.abstract, abstract_batch).compile()
   bare_compile_s = time.perf_counter() - start
-  _progress(f"compiled: toolkit {toolkit_compile_s:.1f} s, bare {bare_compile_s:.1f} s")
+  timing.progress(f"compiled: toolkit {toolkit_compile_s:.1f} s, bare {bare_compile_s:.1f} s")
 
   # Identical states (a copy, not an alias: each step donates its own), one batch throughout.
-  state = state_lib.create(model_cfg, optimizer, layout, config.seed)
+  state, batch = built.state, built.batch
   states = {"toolkit": state, "bare": jax.device_put(state, layout.shardings, may_alias=False)}
-  steps = {"toolkit": toolkit_step, "bare": bare_step}
-  batch = batches.batch(0)
+  steps = {"toolkit": built.compiled, "bare": bare_step}
 
   losses = _check_same_math(steps, states, batch, check_steps, rtol)
   seconds = _time_rounds(steps, states, batch, warmup_steps, rounds, steps_per_round)
@@ -258,7 +230,8 @@ def benchmark(config: ml_collections.ConfigDict, *, rounds: int, steps_per_round
     rows[name] = {"median_step_s": median, "round_step_s": values,
                   "tokens_per_second": tokens_per_step / median,
                   "model_flops_per_second": flops_per_step / median,
-                  "fraction_of_matmul_peak": peak_fraction(flops_per_step, median, peak, devices)}
+                  "fraction_of_matmul_peak": timing.peak_fraction(flops_per_step, median, peak,
+                                                                  devices)}
   return {
       "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
       "mesh": dict(mesh.shape), "rules": rules.name,
