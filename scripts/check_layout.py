@@ -6,9 +6,10 @@ small. Prints what it finds; exit status 1 when anything breaks a rule.
 The direction, lowest first (a module may import its own layer and the layers below):
 
   sharding  <-  models  <-  toolkit's shared helpers (errors, accelerators, workdir,
-  runtime, command_line)  <-  toolkit/data, toolkit/hf  <-  toolkit/training  <-  the other
+  runtime, xla_flags, command_line)  <-  toolkit/data, toolkit/hf  <-  toolkit/training  <-  the other
   toolkit/<concern> subpackages (pod, inference, tuning, ...; never each other)  <-
-  toolkit/evaluation (the harness on the inference engine)  <-  toolkit's commands
+  toolkit/evaluation (the harness on the inference engine), toolkit/costing (prices the
+  planner's layouts)  <-  toolkit's commands
   (toolkit/*.py)  <-  experiments, scripts
 
 Sizes: no module over 500 lines, no function over 80 lines (nested functions count towards
@@ -24,7 +25,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("sharding", "models", "toolkit", "experiments", "scripts")
 SHARED = {"toolkit", "toolkit.errors", "toolkit.accelerators", "toolkit.workdir",
-          "toolkit.runtime", "toolkit.command_line"}
+          "toolkit.runtime", "toolkit.command_line", "toolkit.xla_flags"}
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 80
 
 
@@ -75,9 +76,10 @@ def layer(module: str, known: dict[str, pathlib.Path]) -> tuple[int, str]:
     concern = parts[1]
     # hf (the Hugging Face format) ranks with data: training's `init_from=hf:DIR` reads
     # weights through it.
-    # evaluation runs the harness on inference's engine: above the other concerns.
+    # evaluation runs the harness on inference's engine, costing prices pod's layouts: above
+    # the other concerns.
     return {"data": (3, "data"), "hf": (3, "hf"), "training": (4, "training"),
-            "evaluation": (6, "evaluation")}.get(concern, (5, concern))
+            "evaluation": (6, "evaluation"), "costing": (6, "costing")}.get(concern, (5, concern))
   return 7, "commands"  # toolkit/<command>.py
 
 

@@ -239,10 +239,94 @@ def accelerator(name: str) -> TpuType:
   raise ValueError(f"unknown TPU accelerator type {name!r}; {hint}known: {valid}")
 
 
-# Dense bf16 peak FLOP/s of GPUs (NVIDIA data sheets, SXM parts, no sparsity), for MFU.
+@dataclasses.dataclass(frozen=True)
+class GpuType:
+  """One NVIDIA data-center GPU as clusters of 8-GPU nodes use it. Bytes and bytes/s per GPU.
+
+  Named like TPU slices by the GPUs in all: h100x64 is 8 nodes of 8 H100s. Inside a node the
+  GPUs talk over NVLink (the mesh's ICI part); nodes talk over the cluster network, one NIC per
+  GPU (the DCN part: each node is a "slice" of the mesh).
+  """
+  name: str                       # "h100"
+  device_kind: str                # jax.devices()[0].device_kind
+  gpus_per_node: int
+  hbm_bytes_per_chip: int
+  peak_bf16_flops_per_chip: float  # dense (no sparsity)
+  peak_fp8_flops_per_chip: float
+  ici_bytes_per_second_per_chip: float   # NVLink, both directions (as TPU ICI is counted)
+  dcn_bytes_per_second_per_chip: float   # the GPU's NIC, one direction (as TPU DCN)
+
+
+# Sources (NVIDIA data sheets, SXM parts, dense figures; read 2026-11): H100 SXM 80 GB HBM3,
+# 989 TFLOP/s bf16, 1,979 fp8, NVLink 4 900 GB/s; H200 SXM 141 GB HBM3e, the same compute and
+# NVLink; HGX B200 180 GB HBM3e per GPU, 2.25 PFLOP/s bf16, 4.5 fp8, NVLink 5 1.8 TB/s. Between
+# nodes one 400 Gb/s NIC per GPU (ConnectX-7 in DGX H100/H200 and DGX B200; Google Cloud's A3
+# Mega/Ultra and A4 machines carry 8 of them), i.e. 50 GB/s.
+GPU_TYPES: dict[str, GpuType] = {g.name: g for g in (
+    GpuType(name="h100", device_kind="NVIDIA H100 80GB HBM3", gpus_per_node=8,
+            hbm_bytes_per_chip=80 * GiB, peak_bf16_flops_per_chip=989e12,
+            peak_fp8_flops_per_chip=1979e12, ici_bytes_per_second_per_chip=900e9,
+            dcn_bytes_per_second_per_chip=400e9 / 8),
+    GpuType(name="h200", device_kind="NVIDIA H200", gpus_per_node=8,
+            hbm_bytes_per_chip=141 * 10**9, peak_bf16_flops_per_chip=989e12,
+            peak_fp8_flops_per_chip=1979e12, ici_bytes_per_second_per_chip=900e9,
+            dcn_bytes_per_second_per_chip=400e9 / 8),
+    GpuType(name="b200", device_kind="NVIDIA B200", gpus_per_node=8,
+            hbm_bytes_per_chip=180 * 10**9, peak_bf16_flops_per_chip=2250e12,
+            peak_fp8_flops_per_chip=4500e12, ici_bytes_per_second_per_chip=1800e9,
+            dcn_bytes_per_second_per_chip=400e9 / 8),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuCluster:
+  """`count` GPUs of one type: whole nodes, or part of one node (1, 2, 4 or 8 GPUs)."""
+  gpu: GpuType
+  count: int
+
+  @property
+  def name(self) -> str:
+    return f"{self.gpu.name}x{self.count}"
+
+  @property
+  def nodes(self) -> int:
+    return max(1, self.count // self.gpu.gpus_per_node)
+
+  @property
+  def gpus_per_node(self) -> int:
+    return min(self.count, self.gpu.gpus_per_node)
+
+
+def gpu_cluster(name: str) -> GpuCluster:
+  """'h100x64' -> 64 H100s in 8 nodes of 8.
+
+  Raises:
+    ValueError: one line naming `name`, the GPU types and the counts that make whole nodes.
+  """
+  key = str(name).strip().lower()
+  kind, sep, count = key.partition("x")
+  gpu = GPU_TYPES.get(kind)
+  known = ", ".join(f"{g}xN" for g in GPU_TYPES)
+  if gpu is None or not sep or not count.isdigit():
+    raise ValueError(f"unknown GPU cluster {name!r}: write TYPExN with N GPUs in all, "
+                     f"TYPE one of {known} (e.g. h100x64: 8 nodes of 8)")
+  n, per_node = int(count), gpu.gpus_per_node
+  if n < 1 or (n > per_node and n % per_node) or (n < per_node and per_node % n):
+    raise ValueError(f"GPU cluster {name!r}: {n} GPUs are not whole {per_node}-GPU nodes; "
+                     f"use 1, 2, 4, {per_node} or a multiple of {per_node}, e.g. "
+                     f"{gpu.name}x{max(per_node, -(-max(n, 1) // per_node) * per_node)}")
+  return GpuCluster(gpu=gpu, count=n)
+
+
+def is_gpu_name(name: str) -> bool:
+  """Whether `name` spells a GPU cluster (its type before an x), valid or not."""
+  return str(name).strip().lower().partition("x")[0] in GPU_TYPES
+
+
+# Dense bf16 peak FLOP/s of GPUs by jax's device_kind, for MFU (the table above, and the A100).
 GPU_PEAK_BF16_FLOPS: dict[str, float] = {
     "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12,
+    **{g.device_kind: g.peak_bf16_flops_per_chip for g in GPU_TYPES.values()},
 }
 
 
@@ -265,6 +349,24 @@ def format_table(types=None) -> str:
                  f"{t.ici_bytes_per_second_per_chip / 1e9:g} GB/s",
                  f"{t.dcn_bytes_per_second_per_chip / 1e9:g} GB/s", t.libtpu_topology_name,
                  f"{t.gke_nodes} x {t.gke_chips_per_node}"))
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                   for row in rows)
+
+
+def format_gpu_table(clusters=None) -> str:
+  """A text table of GPU clusters (default: one node of each type), one row per cluster."""
+  clusters = clusters or [GpuCluster(g, g.gpus_per_node) for g in GPU_TYPES.values()]
+  rows = [("cluster", "GPUs", "nodes", "GPUs/node", "HBM/GPU", "bf16/GPU", "fp8/GPU",
+           "NVLink/GPU", "network/GPU")]
+  for c in clusters:
+    g = c.gpu
+    rows.append((c.name, str(c.count), str(c.nodes), str(c.gpus_per_node),
+                 f"{g.hbm_bytes_per_chip / GiB:.4g} GiB",
+                 f"{g.peak_bf16_flops_per_chip / 1e12:g} TF/s",
+                 f"{g.peak_fp8_flops_per_chip / 1e12:g} TF/s",
+                 f"{g.ici_bytes_per_second_per_chip / 1e9:g} GB/s",
+                 f"{g.dcn_bytes_per_second_per_chip / 1e9:g} GB/s"))
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
   return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                    for row in rows)

@@ -32,6 +32,7 @@ import math
 import multiprocessing
 import os
 import queue
+import re
 import shlex
 import time
 from collections.abc import Callable, Sequence
@@ -117,6 +118,8 @@ def prepare(config: ml_collections.ConfigDict, candidates: list[Candidate],
       c.status, c.reason = "lint", str(e)
       continue
     shape = estimate.shape_for(spec, cfg, report, target.slices)
+    if target.stand_in_for:  # host devices standing in for the target's: its kernels
+      shape = dataclasses.replace(shape, platform=target.stand_in_for)
     problem = _activation_lint(shape)
     if problem:
       c.status, c.reason = "lint", problem
@@ -259,7 +262,7 @@ def compile_candidates(config: ml_collections.ConfigDict, candidates: list[Candi
       c.reason = result.get("reason", "")
       log(f"  [{done}/{len(pending)}] {c.label}: {c.status}"
           + (f", {c.compiled_bytes / 2**30:.2f} GiB" if c.compiled_bytes else "")
-          + (f", step {_time(c.step_time['total_s'])}" if c.step_time else "")
+          + (f", step {_ms(c.step_time['total_s'])} ms" if c.step_time else "")
           + (f" ({c.compile_seconds:.0f} s)" if c.compile_seconds else ""))
   finally:
     for p in processes:
@@ -293,10 +296,45 @@ def search(config: ml_collections.ConfigDict, target: Target, *, budget_s: float
   counts = {s: sum(c.status == s for c in candidates) for s in ("pending", "lint", "pruned")}
   log(f"plan: {len(candidates)} candidates on {target.describe()}; {counts['lint']} fail "
       f"the lint, {counts['pruned']} pruned by the analytic estimate, {counts['pending']} to "
-      f"compile within {budget_s:g} s")
+      f"compile, most promising first, until {budget_s:g} s have passed")
+  for line in skipped_reasons(candidates):
+    log(line)
   used = compile_candidates(config, candidates, target, budget_s, workers, log)
   return Outcome(target=target, candidates=candidates, seconds=time.monotonic() - start,
                  workers=used, config=original)
+
+
+def _why(c: Candidate) -> str:
+  """The kind of reason a candidate was skipped, without its numbers."""
+  if c.status == "pruned":
+    if "HBM" in c.reason:
+      return "needs more memory than the chip has, by the estimate"
+    if "micro-batch" in c.reason:
+      return "more micro-batches than the fewest that fit (only communication added)"
+    return "another attention or loss chunking is no slower and needs less memory"
+  if "is not divisible by the batch-sharding axes" in c.reason:
+    return "the micro-batch does not divide over the batch axes"
+  if "not divisible by" in c.reason:
+    what = re.search(r"\(([a-z_]+)\) has size", c.reason)
+    return f"{what.group(1) if what else 'a dimension'} does not divide over its mesh axes"
+  return re.sub(r"\S*\d\S*", "N", c.reason.split(";")[0])
+
+
+def skipped_reasons(candidates: list[Candidate], top: int = 4) -> list[str]:
+  """One line per kind of reason candidates were skipped (lint or pruned), most frequent
+  first, with the count."""
+  tally: dict[tuple[str, str], int] = {}
+  for c in candidates:
+    if c.status in ("lint", "pruned"):
+      key = (c.status, _why(c))
+      tally[key] = tally.get(key, 0) + 1
+  ranked = sorted(tally.items(), key=lambda kv: (-kv[1], kv[0]))
+  lines = [f"  skipped {n:>5} ({status}): {why}" for (status, why), n in ranked[:top]]
+  if len(ranked) > top:
+    others = len(ranked) - top
+    lines.append(f"  skipped {sum(n for _, n in ranked[top:]):>5}: {others} other "
+                 f"reason{'s' if others > 1 else ''} (--json lists every candidate's)")
+  return lines
 
 
 def _mark_given(config: ml_collections.ConfigDict, candidates: list[Candidate],
@@ -318,27 +356,26 @@ def _mark_given(config: ml_collections.ConfigDict, candidates: list[Candidate],
                    config.model.attention, config.model.loss_chunk))
 
 
-def _time(seconds: float) -> str:
-  if seconds != seconds:
-    return "-"
-  if seconds < 1e-3:
-    return f"{seconds * 1e6:.1f}us"
-  return f"{seconds * 1e3:.1f}ms" if seconds < 10 else f"{seconds:.1f}s"
+def _ms(seconds: float) -> str:
+  """Milliseconds, the one unit of the ranking's time columns."""
+  return "-" if seconds != seconds else f"{seconds * 1e3:,.2f}"
 
 
 def format_ranking(outcome: Outcome, top: int = 15) -> str:
   ranked = outcome.ranked
+  width = max([len(c.label) for c in ranked[:top]] + [len("candidate")])
   lines = [f"ranking on {outcome.target.name}"
            + (f" x {outcome.target.slices} slices" if outcome.target.slices > 1 else "")
            + f" ({outcome.seconds:.0f} s, {outcome.workers} compile process(es)); step time "
-           f"= compute + ICI + DCN, no overlap",
-           f"  {'#':>2}  {'candidate':<52}{'memory':>11}{'step':>11}{'compute':>10}"
-           f"{'ICI':>10}{'DCN':>10}"]
+           f"= compute + ICI + DCN, no overlap; steps within {TIE:.0%} of the fastest are a "
+           f"tie, won by the least memory per device",
+           f"  {'#':>2}  {'candidate':<{width}}  {'memory GiB':>10}  {'step ms':>10}  "
+           f"{'compute ms':>10}  {'ICI ms':>10}  {'DCN ms':>10}"]
   for i, c in enumerate(ranked[:top], 1):
     s = c.step_time
-    cell = lambda key, s=s: _time(s.get(key, math.nan))
-    lines.append(f"  {i:>2}  {c.label:<52}{(c.compiled_bytes or 0) / 2**30:>8.2f}GiB"
-                 f"{cell('total_s'):>11}{cell('compute_s'):>10}{cell('ici_s'):>10}"
+    cell = lambda key, s=s: _ms(s.get(key, math.nan))
+    lines.append(f"  {i:>2}  {c.label:<{width}}  {(c.compiled_bytes or 0) / 2**30:>10.2f}  "
+                 f"{cell('total_s'):>10}  {cell('compute_s'):>10}  {cell('ici_s'):>10}  "
                  f"{cell('dcn_s'):>10}")
   if len(ranked) > top:
     lines.append(f"  ... and {len(ranked) - top} more that fit")

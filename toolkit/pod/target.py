@@ -42,10 +42,27 @@ class Target:
   slices: int
   devices: tuple[jax.Device, ...]
   tpu: accelerators.TpuType | None           # None for simulated host devices
+  # A GPU cluster estimated on stand-in host devices (toolkit.cost; nothing compiles for it
+  # here): its nodes are the slices.
+  gpu: accelerators.GpuCluster | None = None
+  # Set when `devices` stand in for the target's (host devices for toolkit.cost's estimates):
+  # the platform whose attention kernels the estimate assumes.
+  stand_in_for: str | None = None
 
   @property
   def is_tpu(self) -> bool:
     return self.tpu is not None
+
+  @property
+  def platform(self) -> str:
+    """The platform the step would run on: tpu, gpu or cpu."""
+    if self.stand_in_for:
+      return self.stand_in_for
+    return "tpu" if self.tpu else "gpu" if self.gpu else self.devices[0].platform
+
+  @property
+  def _chip(self):
+    return self.tpu or (self.gpu.gpu if self.gpu else None)
 
   @property
   def chips(self) -> int:
@@ -53,22 +70,27 @@ class Target:
 
   @property
   def hbm_bytes_per_device(self) -> int | None:
-    return self.tpu.hbm_bytes_per_chip if self.tpu else None
+    return self._chip.hbm_bytes_per_chip if self._chip else None
 
   @property
   def peak_flops_per_device(self) -> float | None:
-    return self.tpu.peak_bf16_flops_per_chip if self.tpu else None
+    return self._chip.peak_bf16_flops_per_chip if self._chip else None
 
   @property
   def ici_bytes_per_second(self) -> float | None:
-    return self.tpu.ici_bytes_per_second_per_chip if self.tpu else None
+    return self._chip.ici_bytes_per_second_per_chip if self._chip else None
 
   @property
   def dcn_bytes_per_second(self) -> float | None:
-    return self.tpu.dcn_bytes_per_second_per_chip if self.tpu else None
+    return self._chip.dcn_bytes_per_second_per_chip if self._chip else None
 
   def describe(self) -> str:
     slices = f" x {self.slices} slices" if self.slices > 1 else ""
+    if self.gpu:
+      g = self.gpu
+      return (f"{g.name}: {g.count} x {g.gpu.device_kind} in {g.nodes} node(s) of "
+              f"{g.gpus_per_node}, {g.gpu.hbm_bytes_per_chip / 2**30:.4g} GiB HBM and "
+              f"{g.gpu.peak_bf16_flops_per_chip / 1e12:g} TFLOP/s bf16 per GPU")
     if not self.tpu:
       return f"{self.name}{slices}: {len(self.devices)} simulated host devices"
     t = self.tpu
@@ -160,6 +182,10 @@ def target_for(name: str, slices: int = 1, cpu_devices: Sequence[jax.Device] | N
   if slices < 1:
     raise TargetError(f"--slices={slices}; give the number of slices, >= 1")
   kind, count = parse_name(name)
+  if accelerators.is_gpu_name(kind):
+    raise TargetError(f"--topology={name}: no GPU compiler runs on this machine, so a GPU "
+                      f"cluster cannot be compiled for here; python -m toolkit.cost estimates "
+                      f"it from the analytic model, and on a GPU machine toolkit.train runs it")
   if kind == "cpu":
     available = list(cpu_devices if cpu_devices is not None else jax.devices("cpu"))
     needed = count * slices
