@@ -202,12 +202,13 @@ def cli() -> None:
       if plan_flag.value:
         _plan(config, target, flag_values, budget_flag.value)
         return
-      report = compile_report(config, target, hlo_path=hlo_flag.value)
+      report = compile_report(config, target, hlo_path=hlo_flag.value,
+                              log=lambda line: print(line, flush=True))
     except (TargetError, LintError, ConfigError, sharding.ShardingError) as e:
       command_line.fail(e, BAD_INPUT)
     except CompileError as e:
       command_line.fail(e, DOES_NOT_FIT)
-    print(report.format(), flush=True)
+    print(report.format(header=False), flush=True)  # the header came before compiling
     if json_flag.value:
       workdir.write_text(json_flag.value, json.dumps(report.as_dict(), indent=2, default=str))
     sys.exit(report.exit_code)

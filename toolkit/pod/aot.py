@@ -59,6 +59,7 @@ from toolkit.errors import ConfigError
 from toolkit.pod import collectives as collectives_lib
 from toolkit.pod import estimate
 from toolkit.pod import scheduling
+from toolkit.pod import report as report_lib
 from toolkit.pod.report import Report
 from toolkit.pod.target import Target
 from toolkit.training import setup as setup_lib
@@ -143,8 +144,10 @@ def _lint(setup, config) -> dict:
 
 
 def compile_report(config: ml_collections.ConfigDict, target: Target, *,
-                   hlo_path: str | None = None) -> Report:
-  """Lints, compiles the training step of `config` for `target` and reports.
+                   hlo_path: str | None = None, log=None) -> Report:
+  """Lints, compiles the training step of `config` for `target` and reports. `log` (a
+  callable taking a line), when given, gets the report's header (target, model, layout, lint)
+  and a "compiling" line before the compile, which takes minutes for a large model.
 
   Raises:
     LintError: a config or sharding mistake (the message names the field and the fix).
@@ -154,6 +157,10 @@ def compile_report(config: ml_collections.ConfigDict, target: Target, *,
   setup, lint = _build_for(config, target)
   spec, layout = setup.spec, setup.layout
   shape = estimate.shape_for(spec, config, layout.report, target.slices)
+  if log is not None:
+    log("\n".join(report_lib.header_lines(_target_dict(target), _run_dict(config, spec, shape),
+                                          lint)))
+    log(f"compiling the train step for {target.name} (minutes for a billion-parameter model) ...")
   traced, compiled, out_of_memory, compile_seconds = _compile(setup, target)
   memory, analytic, verdict = _memory_verdict(compiled, out_of_memory, shape, target, notes)
   flops = _flops(shape, target, traced, compiled)

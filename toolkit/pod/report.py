@@ -34,8 +34,8 @@ class Report:
   def as_dict(self) -> dict:
     return {**dataclasses.asdict(self), "exit_code": self.exit_code}
 
-  def format(self) -> str:
-    return format_report(self)
+  def format(self, header: bool = True) -> str:
+    return format_report(self, header)
 
 
 _COUNT_UNITS = (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3))
@@ -72,18 +72,27 @@ def _seconds(s: float) -> str:
   return f"{s * 1e3:.2f} ms" if s < 10 else f"{s:.1f} s"
 
 
-def format_report(report: Report) -> str:
-  """The report as `python -m toolkit.compile` prints it."""
-  return "\n".join(_run_lines(report) + [""] + _memory_lines(report) + [""]
+def format_report(report: Report, header: bool = True) -> str:
+  """The report as `python -m toolkit.compile` prints it; without the `header_lines` (target,
+  model, layout, lint) when `header` is False: the command prints those before compiling."""
+  head = header_lines(report.target, report.run, report.lint) if header else []
+  return "\n".join(head + _run_lines(report) + [""] + _memory_lines(report) + [""]
                    + _flops_lines(report) + _overlap_lines(report)
                    + _communication_lines(report))
 
 
 def _run_lines(r: Report) -> list[str]:
-  run = r.run
+  lines = [f"note       {n}" for n in r.notes]
+  lines.append(f"compile    {r.compile_seconds:.1f} s")
+  return lines
+
+
+def header_lines(target: dict, run: dict, lint: dict) -> list[str]:
+  """What is known before compiling: the target, the model, the step and the layout, the
+  parameters' lint."""
   mesh = " ".join(f"{k}={v}" for k, v in run["mesh"].items())
   lines = [
-      f"target     {r.target['description']}",
+      f"target     {target['description']}",
       f"model      {human_count(run['params'])} parameters, d_model {run['d_model']}, "
       f"{run['n_layers']} layers, vocab {run['vocab_size']}; {run['param_dtype']} parameters, "
       f"{run['compute_dtype']} compute, remat {run['remat']}"
@@ -94,14 +103,12 @@ def _run_lines(r: Report) -> list[str]:
       f"{', dcn ' + repr(run['mesh_dcn']) if run['mesh_dcn'] else ''}), rules {run['preset']}, "
       f"batch {run['global_batch_size']} x {run['seq_len']} tokens in "
       f"{run['microbatches']} micro-batch(es)",
-      f"lint       parameters {human_bytes(r.lint['param_bytes'])} in all, "
-      f"{human_bytes(r.lint['param_bytes_per_device'])} per device; replicated "
-      f"{human_bytes(r.lint['replicated_bytes'])} ({r.lint['replicated_fraction']:.1%}); "
-      f"optimizer state {human_bytes(r.lint.get('opt_state_bytes_per_device'))} per device",
+      f"lint       parameters {human_bytes(lint['param_bytes'])} in all, "
+      f"{human_bytes(lint['param_bytes_per_device'])} per device; replicated "
+      f"{human_bytes(lint['replicated_bytes'])} ({lint['replicated_fraction']:.1%}); "
+      f"optimizer state {human_bytes(lint.get('opt_state_bytes_per_device'))} per device",
   ]
-  lines += [f"warning    {w}" for w in r.lint["warnings"]]
-  lines += [f"note       {n}" for n in r.notes]
-  lines.append(f"compile    {r.compile_seconds:.1f} s")
+  lines += [f"warning    {w}" for w in lint["warnings"]]
   return lines
 
 

@@ -254,6 +254,14 @@ def test_cli_compiles_for_simulated_host_devices(tmp_path):
   # CPU has no reduce-scatter: gradients come as (tuple-typed) all-reduces.
   assert any(c["kind"] == "all-reduce" for c in report["collectives"])
   assert "compiled (a CPU target" in result.stdout
+  # What is known before compiling comes first, once, then the compile's own lines.
+  lines = result.stdout.splitlines()
+  assert [l.split()[0] for l in lines[:6] if l.strip()][:5] == [
+      "target", "model", "step", "run", "lint"]
+  compiling = lines.index("compiling the train step for cpu:8 (minutes for a billion-parameter "
+                          "model) ...")
+  assert sum(l.startswith("target ") for l in lines) == 1
+  assert next(i for i, l in enumerate(lines) if l.startswith("compile ")) > compiling
   assert "\nmodel      35.0 K parameters, d_model 32," in result.stdout  # 34,976
 
 
