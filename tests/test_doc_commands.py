@@ -60,6 +60,7 @@ SKIP = {
     r"data=image_folder": "needs ImageNet in /data/imagenet",
     r"^python scripts/bench_\w+\.py\s*(#|$)": "a full benchmark (minutes); its --quick run "
                                                "is here",
+    r"calibrate_cpu\.py\s+#": "the full calibration (~10 min); --quick is here",
     r"bench_step\.py --devices=1": "a full benchmark (minutes) on one device; --quick is here",
     r"bench_moe\.py --size=cpu": "the full benchmark at the CPU sizes (~3 min); --quick is here",
     r"python scripts/bench_checkpoint\.py\s+#": "the full benchmark (the demo, then the 7b "

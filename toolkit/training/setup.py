@@ -10,6 +10,7 @@ import time
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from toolkit import accelerators
@@ -46,13 +47,21 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
                task=task)
 
 
-def matmul_flops_per_second(size: int = 2048, repeats: int = 5, device=None) -> float:
+def matmul_flops_per_second(size: int = 2048, repeats: int = 5, device=None,
+                            devices=None) -> float:
   """Median FLOP/s of a jitted float32 (size x size) @ (size x size) on `device` (default: the
-  first device), after one untimed call."""
-  device = device or jax.devices()[0]
-  a, b = (jax.device_put(jax.random.normal(jax.random.key(i), (size, size), jnp.float32), device)
+  first device), after one untimed call. With `devices`, one such matmul on each of them at
+  once (a batch split over them) and the FLOP/s per device: what each gets while they share
+  a host's cores, as simulated CPU devices do."""
+  if devices:
+    mesh = jax.sharding.Mesh(np.array(devices), ("devices",))
+    place = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("devices"))
+    shape = (len(mesh.devices), size, size)
+  else:
+    place, shape = device or jax.devices()[0], (size, size)
+  a, b = (jax.device_put(jax.random.normal(jax.random.key(i), shape, jnp.float32), place)
           for i in range(2))
-  dot = jax.jit(jnp.dot)
+  dot = jax.jit(jnp.matmul)
   dot(a, b).block_until_ready()  # compile
   seconds = []
   for _ in range(repeats):

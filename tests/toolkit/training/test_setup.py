@@ -24,3 +24,12 @@ def test_cpu_peak_is_the_hosts_however_many_devices_the_mesh_holds(monkeypatch):
 
 def test_matmul_peak_is_measured():
   assert setup_lib.matmul_flops_per_second(256, 2) > 1e8
+
+
+def test_matmul_peak_on_every_device_at_once_is_per_device():
+  devices = jax.devices()
+  assert len(devices) == 8  # tests/conftest.py
+  every = setup_lib.matmul_flops_per_second(256, 3, devices=devices)
+  # Eight simulated devices share the host's cores: each gets at most what one alone gets,
+  # with room for timing noise.
+  assert 1e7 < every < 2 * setup_lib.matmul_flops_per_second(256, 3)
