@@ -13,7 +13,8 @@ scripts/load_test.py's clients send prompts of --prompt_tokens random token ids 
 --max_tokens greedy tokens, each client its next request as soon as the last one is answered.
 Rounds alternate between the checkouts, each round measuring every --clients count once. The
 table gives, per checkout and client count, the median over rounds of completion tokens/s and
-of the latency p50 and p99. --quick: the tiny Hugging Face model, 2 and 4 clients, 4 tokens.
+of the latency p50 and p99. --quick: the tiny Hugging Face model, 2 and 4 clients, 4 tokens, and the caller's XLA_FLAGS
+kept (the full run drops them: each checkout compiles with XLA's default code generation).
 """
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def measure(checkout: str, folder: pathlib.Path, imported: pathlib.Path,
              f"--checkpoint={imported}", "--config.mesh.ici=fsdp:1", "--port=0",
              *_SERVE.value.split()]
   env = {**os.environ, "PYTHONPATH": checkout, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)
+  if not _QUICK.value:  # XLA's own code generation; --quick keeps the caller's flags (the
+    env.pop("XLA_FLAGS", None)  # suite's turn LLVM's optimizations off: faster compiles)
   server = subprocess.Popen(command, cwd=checkout, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
   try:
