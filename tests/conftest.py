@@ -85,6 +85,11 @@ def gcs_bucket(gcs_server):
 RUNS_APART = "tests/test_documented_results.py"
 SHARED_RUNS = {"test_lm_demo_bits_per_byte": "lm_demo",
                "test_sft_learns_to_repeat_words_on_three_seeds": "lm_demo"}
+# Units handed out first, longest first: xdist queues units by their number of tests, which put
+# the demo and the fine-tunes (2 tests, ~19 minutes on busy cores) behind dozens of short
+# modules, so one process could still be running them long after the other ran out of work.
+# The rest keep xdist's order (most tests first: the doc commands' module leads).
+FIRST = ("lm_demo",)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -100,5 +105,10 @@ def pytest_xdist_make_scheduler(config, log):
       if module != RUNS_APART:
         return super()._split_scope(nodeid)
       return SHARED_RUNS.get(test.split("[")[0], nodeid)
+
+    def _assign_work_unit(self, node) -> None:
+      for unit in reversed([u for u in FIRST if u in self.workqueue]):
+        self.workqueue.move_to_end(unit, last=False)
+      super()._assign_work_unit(node)
 
   return ModulesAndRuns(config, log)
