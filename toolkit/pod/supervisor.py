@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import signal
 import sys
@@ -40,6 +41,7 @@ from toolkit import workdir as workdir_lib
 from toolkit.pod import local
 
 HANG_EXIT = 75  # toolkit.training.watchdog.HANG_EXIT (pod/ does not import training/)
+JOB_ENV = "MESHKIT_JOB"  # toolkit.training.goodput.JOB_ENV: what earlier attempts cost
 USAGE_EXIT = 2
 INTERRUPTED_EXIT = 130
 _PROGRESS = re.compile(r"^step (\d+)/\d+ \|.*\| step ([\d.]+) (ms|s) \|")
@@ -60,6 +62,18 @@ class Attempt:
   cause: str = ""
   detail: str = ""
   detection_s: float = 0.0  # a hang: how long the watchdog waited before it ended the process
+
+
+def lifetime(attempts: Sequence[Attempt]) -> dict[str, float]:
+  """What the failures among `attempts` (in order, each ended) cost: seconds waiting out
+  hangs, seconds from each failure to the next attempt's first step (or its end), and the
+  steps trained again (and their seconds at the restarted attempt's step time)."""
+  pairs = list(zip(attempts, attempts[1:]))
+  again = [max(0, a.last_step - (b.restored or 0)) for a, b in pairs]
+  return {"hang_detection_s": sum(a.detection_s for a in attempts[:-1]),
+          "restart_s": sum((b.first_progress or b.ended) - a.ended for a, b in pairs),
+          "steps_trained_again": sum(again),
+          "steps_trained_again_s": sum(n * b.step_seconds for n, (_, b) in zip(again, pairs))}
 
 
 def workdir_of(train_args: Sequence[str]) -> str | None:
@@ -85,6 +99,7 @@ class Supervisor:
     self.attempts: list[Attempt] = []
     self.job: local.Pod | None = None  # the attempt running now
     self._stop_requested = False
+    self._started_unix = time.time()  # when `run` began (set again there)
 
   def say(self, line: str) -> None:
     self.err.write(f"[supervise] {line}\n")
@@ -98,7 +113,7 @@ class Supervisor:
 
   def run(self) -> int:
     """The job to its end; the exit status of its last attempt."""
-    started = time.monotonic()
+    started, self._started_unix = time.monotonic(), time.time()
     while True:
       attempt = self._attempt(len(self.attempts) + 1)
       self.attempts.append(attempt)
@@ -119,7 +134,8 @@ class Supervisor:
   def _attempt(self, number: int) -> Attempt:
     attempt = Attempt(number, time.monotonic())
     job = local.Pod(self.processes, self.devices_per_process, self.train_args,
-                    grace_s=self.grace_s, environ=self.environ, out=self.out, err=self.err)
+                    grace_s=self.grace_s, environ=self._job_environ(attempt), out=self.out,
+                    err=self.err)
     self.job = job
     previous = self.attempts[-1] if self.attempts else None
     watcher = threading.Thread(target=self._announce_recovery, args=(previous, job),
@@ -136,6 +152,22 @@ class Supervisor:
     self._read_output(attempt, job)
     attempt.cause, attempt.detail = self._classify(attempt, job)
     return attempt
+
+  def _job_environ(self, attempt: Attempt) -> dict[str, str]:
+    """The environment of `attempt`'s processes: the supervisor's, and JOB_ENV with what the
+    attempts before it cost (the run's goodput line adds its own share)."""
+    before = lifetime(self.attempts)
+    previous = self.attempts[-1] if self.attempts else None
+    job = {"attempt": attempt.number, "job_started_unix": self._started_unix,
+           "attempt_started_unix": time.time(),
+           "hang_detection_s": sum(a.detection_s for a in self.attempts),
+           # The restarts so far, and the delay before this one (its start-up it times itself).
+           "restart_s": before["restart_s"] + (attempt.started - previous.ended
+                                               if previous else 0.0),
+           "steps_trained_again": before["steps_trained_again"],
+           "steps_trained_again_s": before["steps_trained_again_s"],
+           "last_step": previous.last_step if previous else 0}
+    return {**(os.environ if self.environ is None else self.environ), JOB_ENV: json.dumps(job)}
 
   def _read_output(self, attempt: Attempt, job: local.Pod) -> None:
     """The step it resumed from, its last logged step and step time, when it first logged."""
@@ -196,13 +228,9 @@ class Supervisor:
   def _summary(self, wall_s: float) -> None:
     """The job's lifetime: attempts, causes, and the time failures cost."""
     failures = self.attempts[:-1]
-    restart_s = sum((b.first_progress or b.ended) - a.ended
-                    for a, b in zip(self.attempts, self.attempts[1:]))
-    lost_steps = sum(max(0, a.last_step - (b.restored or 0))
-                     for a, b in zip(self.attempts, self.attempts[1:]))
-    redo_s = sum(max(0, a.last_step - (b.restored or 0)) * b.step_seconds
-                 for a, b in zip(self.attempts, self.attempts[1:]))
-    detection_s = sum(a.detection_s for a in failures)
+    costs = lifetime(self.attempts)
+    restart_s, detection_s = costs["restart_s"], costs["hang_detection_s"]
+    lost_steps, redo_s = costs["steps_trained_again"], costs["steps_trained_again_s"]
     record = {"attempts": len(self.attempts), "causes": [a.cause for a in failures],
               "final": self.attempts[-1].cause, "wall_s": round(wall_s, 3),
               "hang_detection_s": round(detection_s, 3),

@@ -6,15 +6,33 @@ blocked on the next batch), eval, checkpointing (saves, and waiting for the last
 finish) and other (what is left: plots, the sample at the end, logging). Productive time is
 the steps' time; the fraction is steps / wall time. One line at the end of every run and a
 `"kind": "goodput"` record in metrics.jsonl (toolkit.training.metrics) carry it.
+
+Under `toolkit.supervise` a run is one attempt of a job that may have failed and restarted
+before. The supervisor hands each attempt what the attempts before it cost (JOB_ENV), and the
+line and record add the job's lifetime (`job_fields`): its wall time so far, the time spent
+waiting out hangs, restarting and restoring (this attempt's start-up and compile included),
+and the steps trained again (this attempt's: those between the step it restored and the last
+step the attempt before it logged).
 """
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import time
 
 # (record field, how the line names it), in the order of a run.
 PHASES = (("startup", "start-up"), ("compile", "compile"), ("steps", "steps"),
           ("data_wait", "data wait"), ("eval", "eval"), ("checkpoint", "checkpointing"))
+# Set by toolkit.pod.supervisor for each attempt it starts: a JSON object with attempt (1, 2,
+# ...), job_started_unix and attempt_started_unix (time.time() when the job and this attempt
+# started: before this process was launched), hang_detection_s, restart_s (the restarts before
+# this attempt, each from the failure to the next attempt's first step, and the delay before
+# this one), steps_trained_again and steps_trained_again_s (the earlier restarts'), and
+# last_step (the last step the attempt before logged; 0 for the first).
+JOB_ENV = "MESHKIT_JOB"
+_JOB_KEYS = ("attempt", "job_started_unix", "attempt_started_unix", "hang_detection_s",
+             "restart_s", "steps_trained_again", "steps_trained_again_s", "last_step")
 
 
 class Goodput:
@@ -23,6 +41,7 @@ class Goodput:
   def __init__(self, clock=time.perf_counter):
     self._clock = clock
     self.start = clock()
+    self.started_unix = time.time()  # for job_fields: comparable with another process's
     self.seconds = {name: 0.0 for name, _ in PHASES}
 
   @contextlib.contextmanager
@@ -50,9 +69,44 @@ class Goodput:
     return record
 
 
+def job_fields(record: dict[str, float], start_step: int, final_step: int,
+               run_started_unix: float, now_unix: float, environ=None) -> dict[str, float]:
+  """The job's lifetime fields for this run's goodput `record` (steps `start_step` to
+  `final_step`; the Goodput began at `run_started_unix`, it is `now_unix`), from the
+  supervisor's JOB_ENV; {} when no supervisor started this run (or its value is not what the
+  supervisor writes)."""
+  text = (os.environ if environ is None else environ).get(JOB_ENV, "")
+  try:
+    job = {key: float(json.loads(text)[key]) for key in _JOB_KEYS}
+  except (ValueError, KeyError, TypeError):
+    return {}
+  restarted = job["attempt"] > 1
+  again = max(0, int(job["last_step"]) - start_step) if restarted else 0
+  per_step = record["steps_seconds"] / (final_step - start_step) if final_step > start_step else 0
+  # A restart lasts until its first step: the process's launch and imports (before this
+  # Goodput began), then its start-up and compile.
+  restart = job["restart_s"] + (
+      max(0.0, run_started_unix - job["attempt_started_unix"]) + record["startup_seconds"]
+      + record["compile_seconds"] if restarted else 0.0)
+  return {"job_attempt": int(job["attempt"]),
+          "job_wall_seconds": max(0.0, now_unix - job["job_started_unix"]),
+          "job_hang_detection_seconds": job["hang_detection_s"],
+          "job_restart_seconds": restart,
+          "job_steps_trained_again": int(job["steps_trained_again"]) + again,
+          "job_steps_trained_again_seconds": job["steps_trained_again_s"] + again * per_step}
+
+
 def format_line(record: dict[str, float]) -> str:
-  """`goodput 61.2% of 95.3 s wall: start-up 4.1 s, compile 12.0 s, steps 58.3 s, ...`."""
+  """`goodput 61.2% of 95.3 s wall: start-up 4.1 s, compile 12.0 s, steps 58.3 s, ...`, and
+  the job's lifetime after it when `record` has `job_fields`."""
   parts = [f"{label} {record[f'{name}_seconds']:.1f} s" for name, label in PHASES]
   parts.append(f"other {record['other_seconds']:.1f} s")
-  return (f"goodput {record['productive_fraction']:.1%} of {record['wall_seconds']:.1f} s wall: "
-          + ", ".join(parts))
+  line = (f"goodput {record['productive_fraction']:.1%} of {record['wall_seconds']:.1f} s "
+          "wall: " + ", ".join(parts))
+  if "job_attempt" in record:
+    line += (f"; the job (attempt {record['job_attempt']}): {record['job_wall_seconds']:.1f} s "
+             f"since it started, {record['job_hang_detection_seconds']:.1f} s waiting out "
+             f"hangs, {record['job_restart_seconds']:.1f} s restarting and restoring, "
+             f"{record['job_steps_trained_again']} step(s) trained again "
+             f"(~{record['job_steps_trained_again_seconds']:.1f} s)")
+  return line

@@ -50,6 +50,7 @@ class RunResult:
   step_seconds: float = 0.0
   # Stopped by a second SIGINT/SIGTERM: saved, then ended without plots, sample or goodput.
   interrupted: bool = False
+  start_step: int = 0  # the step it restored (0: from scratch)
 
 
 # A function the caller passes to sample text from the trained state at the end of a run
@@ -90,7 +91,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
                                                   programs)
     start_step = int(jax.device_get(state["step"]))
   result = RunResult(final_step=start_step, train_losses={}, eval_losses={},
-                     stopped_early=False)
+                     stopped_early=False, start_step=start_step)
   if start_step >= config.train.steps:
     checkpoints.close()
     return nothing_to_train(config, start_step, result)
@@ -425,6 +426,8 @@ def write_goodput(run_: Run) -> None:
   goodput.add("steps", max(0.0, result.step_seconds - result.data_wait_seconds))
   goodput.add("data_wait", result.data_wait_seconds)
   record = goodput.record()
+  record.update(goodput_lib.job_fields(record, result.start_step, result.final_step,
+                                       goodput.started_unix, time.time()))
   run_.writer.write(result.final_step, "goodput", record)
   log(goodput_lib.format_line(record))
 

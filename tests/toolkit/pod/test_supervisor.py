@@ -48,6 +48,30 @@ def test_a_mistake_is_not_retried(tmp_path):
       err.getvalue()
 
 
+def test_each_attempt_is_told_what_the_attempts_before_it_cost():
+  # Two failed attempts, by hand (monotonic seconds): a crash at step 27 after a start at 0, a
+  # restart 2 s later that restored step 20, first stepped at 6.0 and hung (4.5 s waited out)
+  # after logging step 44 at 0.25 s a step.
+  supervisor = supervisor_lib.Supervisor(1, 8, TRAIN, environ={"KEEP": "1"})
+  supervisor._started_unix = 5000.0
+  supervisor.attempts = [
+      supervisor_lib.Attempt(1, 0.0, ended=2.0, first_progress=1.0, last_step=27,
+                             cause="crash"),
+      supervisor_lib.Attempt(2, 4.0, ended=20.0, first_progress=6.0, restored=20, last_step=44,
+                             step_seconds=0.25, cause="hang", detection_s=4.5)]
+  third = supervisor_lib.Attempt(3, 23.0)
+  env = supervisor._job_environ(third)
+  job = json.loads(env[supervisor_lib.JOB_ENV])
+  assert env["KEEP"] == "1"
+  assert job.pop("attempt_started_unix") >= 5000.0
+  assert job == {"attempt": 3, "job_started_unix": 5000.0, "hang_detection_s": 4.5,
+                 "restart_s": (6.0 - 2.0) + (23.0 - 20.0), "steps_trained_again": 7,
+                 "steps_trained_again_s": 7 * 0.25, "last_step": 44}
+  # The training side reads the same variable (toolkit/pod does not import toolkit/training).
+  from toolkit.training import goodput  # pylint: disable=g-import-not-at-top
+  assert goodput.JOB_ENV == supervisor_lib.JOB_ENV
+
+
 @pytest.mark.slow  # three attempts and an uninterrupted run: ~60 s
 def test_a_crash_and_a_hang_are_restarted_and_the_losses_equal_an_uninterrupted_run(tmp_path):
   # The uninterrupted run, supervised too (the same processes and environment: bitwise).
@@ -101,3 +125,14 @@ def test_a_crash_and_a_hang_are_restarted_and_the_losses_equal_an_uninterrupted_
   [record] = [json.loads(l) for l in (workdir / "supervisor.jsonl").read_text().splitlines()]
   assert record["causes"] == ["crash", "hang"] and record["final"] == "finished"
   assert 4 <= record["hang_detection_s"] < 6  # train.hang_timeout_s=4, polled
+  # The last attempt's goodput line and record carry the job's lifetime: the same hang time
+  # and steps trained again as the supervisor's record, a restart time at least its own.
+  goodput = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()
+             if json.loads(l)["kind"] == "goodput"][-1]
+  assert goodput["job_attempt"] == 3
+  assert goodput["job_hang_detection_seconds"] == pytest.approx(record["hang_detection_s"],
+                                                                abs=1e-3)
+  assert goodput["job_steps_trained_again"] == record["steps_trained_again"]
+  assert 0 < goodput["job_restart_seconds"] and goodput["job_wall_seconds"] <= record["wall_s"]
+  assert re.search(r"^\[p0\] goodput .*; the job \(attempt 3\): [\d.]+ s since it started, "
+                   r"[\d.]+ s waiting out hangs", output, re.M), output[-3000:]
