@@ -2,7 +2,7 @@
 model's chat template (toolkit/data/chat.py; docs/post_training.md).
 
 The documented result: the CPU demo's model (`make demo`: the CPU LM after 300 steps on
-CPython's docs), fine-tuned for 600 steps on one simulated device, learns to repeat words it
+CPython's docs), fine-tuned for 400 steps on one simulated device, learns to repeat words it
 never saw when asked to:
 
   python -m toolkit.train --config=experiments/lm.py:cpu --workdir=runs/lm_cpu
@@ -14,17 +14,17 @@ never saw when asked to:
       --checkpoint=runs/sft_repeat
 
 Expected result: held-out exact match from <= 5 % before to >= 90 % after fine-tuning on each
-of seeds 0, 1, 2 (measured: 0 % before; 100 %, 100 % and 99.2 % after as three runs, 100 % on
-each as the trials of one population, tests/test_documented_results.py). With `,lora=16` added
-to both configs (1,000 steps, docs/post_training.md): with rank-16 LoRA adapters on the frozen
-base, from <= 5 % before to >= 90 % after on each of seeds 0, 1, 2 (measured: 0 % before;
-94.5 %, 100 % and 100 % after as three runs, 100 % on each as one population).
+of seeds 0, 1, 2 (measured: 0 % before; 100 % on each as the trials of one population,
+tests/test_documented_results.py, and on seeds 3, 4, 5). With `,lora=16` added to both configs
+(1,000 steps, docs/post_training.md): with rank-16 LoRA adapters on the frozen base, from
+<= 5 % before to >= 90 % after on each of seeds 0, 1, 2 (measured: 0 % before; 100 % on each
+as one population, and on seeds 3, 4, 5).
 
 Variants after the colon, comma separated:
   cpu          (default) the CPU LM (0.9 M parameters, byte-level) fine-tuned on
-               synthetic:repeat (toolkit/data/instruct.py) through BYTE_TEMPLATE: rows of 40
-               tokens, one conversation each, 32 a step, 600 steps at a peak learning rate of
-               3e-3, one device (from scratch without base=)
+               synthetic:repeat (toolkit/data/instruct.py) through BYTE_TEMPLATE: rows of 28
+               tokens, one conversation each, 16 a step, 400 steps at a peak learning rate of
+               3e-3 after WARMUP_STEPS, one device (from scratch without base=)
   tiny         the unit-test size: 2 layers, d_model 32, 256 conversations, 4 steps
   1b           Llama 3.2 1B's shapes (models/llama_config.py "1b", bfloat16 compute), sequences
                of 4096 tokens packed, fsdp over every chip: with base=DIR (the Hugging Face
@@ -37,25 +37,30 @@ Variants after the colon, comma separated:
   packing=on|off  several conversations per row (data.packing), or one
   lora=RANK    LoRA adapters of rank RANK (alpha 2 x RANK) on every projection, the base
                frozen (models/lora.py): only the adapters train, at LORA_LEARNING_RATE
-               (cpu: for LORA_STEPS steps)
+               (cpu: for LORA_STEPS steps after LORA_WARMUP_STEPS)
 Single fields: --config.data.train_on=all, --config.data.overlong=drop, ...
 """
 from experiments import lm
 from toolkit.training import init_from
 from toolkit.training.config import defaults
 
-# A chat template for byte-level models (no tokenizer folder): each turn on its own line,
-# "role: content", the assistant's turn ended by its newline (byte 10, the stop token).
+# A chat template for byte-level models (no tokenizer folder): each turn on its own line, the
+# role's initial, a colon and the content, the assistant's turn ended by its newline (byte 10,
+# the stop token): "U: repeat kqzvd\nA: kqzvd\n" is 25 bytes, where "role: content" lines took
+# 36, and on a byte-level model every byte is a position to compute.
 BYTE_TEMPLATE = ("{% for message in messages %}"
-                 "{{ message['role'] + ': ' + message['content'] + '\\n' }}"
+                 "{{ message['role'][0] | upper + ': ' + message['content'] + '\\n' }}"
                  "{% endfor %}"
-                 "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
-# The task is learnt suddenly, at a step that moves with the seed and the base: fully fine-
-# tuned, the demo's model on seed 2 had 53 % exact match at step 200, 82 % at 300, 97 % at 400
-# (another seed 78 % at 400 of a 400-step schedule); the cpu variant's 600 steps leave margin.
-# Rank-16 adapters learn it later (seed 2: 13 % at step 400, 56 % at 600, 98 % at 700, 99.6 %
-# at 800 of 800) and not with a larger step: at 5e-3 or 1e-2 they stall on a constant answer.
-LORA_LEARNING_RATE, LORA_STEPS = 3e-3, 1000
+                 "{% if add_generation_prompt %}{{ 'A: ' }}{% endif %}")
+# The task is learnt suddenly, at a step that moves with the seed; a short warm-up makes that
+# step late and erratic. Fully fine-tuned, 16 conversations a step, the demo's model had on
+# each of seeds 0-5 >= 99 % exact match at step 300 and 100 % at 400 after 100 warm-up steps;
+# after 10 (as pre-training warms up), seed 0 had 27 % at step 400 and seed 1 100 % at 200.
+# Rank-16 adapters learn it later: after 200 warm-up steps of a 1,000-step schedule, 100 % at
+# step 400 on five of seeds 0-5 and at 800 on the sixth (30 % at 600); after 100 of 800, two
+# of the six had 96 % and 75 % at the end. A larger step does not hurry them: at 6e-3 (100
+# warm-up steps) or 1e-2 they stall on a constant answer.
+WARMUP_STEPS, LORA_WARMUP_STEPS, LORA_LEARNING_RATE, LORA_STEPS = 100, 200, 3e-3, 1000
 
 _VARIANTS = ("cpu", "tiny", "1b")
 _KEYS = ("base", "task", "packing", "lora")
@@ -88,10 +93,10 @@ def get_config(arg: str | None = None):
     config.train.update(steps=1000, log_every=10, eval_every=200, checkpoint_every=200)
   else:
     lm.set_model(config, "tiny" if variant == "tiny" else "cpu")
-    _chat(config, seq_len=40, batch=32 if variant == "cpu" else 16)
+    _chat(config, seq_len=28, batch=16)
     config.mesh.ici = "data:1,fsdp:1,tensor:1"  # on a CPU simulated devices share its cores
-    config.optimizer.update(learning_rate=3e-3, warmup_steps=10, weight_decay=0.0)
-    config.train.update(steps=600, eval_every=200, checkpoint_every=600)
+    config.optimizer.update(learning_rate=3e-3, warmup_steps=WARMUP_STEPS, weight_decay=0.0)
+    config.train.update(steps=400, eval_every=200, checkpoint_every=400)
     if variant == "tiny":
       config.data.update(path="synthetic:repeat:256", eval_batches=2)
       config.train.update(steps=4, log_every=2, eval_every=4, checkpoint_every=2)
@@ -109,6 +114,7 @@ def get_config(arg: str | None = None):
     config.model.update(lora_rank=rank, lora_alpha=2.0 * rank)
     config.optimizer.learning_rate = LORA_LEARNING_RATE
     if variant == "cpu":
+      config.optimizer.warmup_steps = LORA_WARMUP_STEPS
       config.train.update(steps=LORA_STEPS, checkpoint_every=LORA_STEPS)
   if "base" in keyed:
     init_from.with_hf_model(config, keyed["base"], field="base=")
@@ -140,7 +146,8 @@ def get_sweep(arg: str | None = None):
   if variant == "tiny":
     return search.Sweep(base=base, method="grid", fixed=fixed, parameters={
         "optimizer.learning_rate": [3e-3, 1e-2], "model.lora_dropout": [0.0, 0.1]})
-  fixed.update({"train.steps": 100, "train.eval_every": 50, "train.checkpoint_every": 50})
+  fixed.update({"train.steps": 100, "train.eval_every": 50, "train.checkpoint_every": 50,
+                "optimizer.warmup_steps": 10})
   return search.Sweep(base=base, method="grid", fixed=fixed, parameters={
       "optimizer.learning_rate": [3e-3, 1e-2], "model.lora_alpha": [16.0, 32.0],
       "model.lora_dropout": [0.0, 0.1]})

@@ -86,7 +86,8 @@ RUNS_APART = "tests/test_documented_results.py"
 SHARED_RUNS = {"test_lm_demo_bits_per_byte": "lm_demo",
                "test_sft_learns_to_repeat_words_on_three_seeds": "lm_demo"}
 # Units handed out first, longest first: xdist queues units by their number of tests, which put
-# the demo and the fine-tunes (2 tests, ~19 minutes on busy cores) behind dozens of short
+# the demo and the fine-tunes (2 tests, ~19 minutes on busy cores then; 7.2 quiet since the
+# fine-tunes got shorter on 2026-12-03) behind dozens of short
 # modules, so one process could still be running them long after the other ran out of work.
 # The rest keep xdist's order (most tests first: the doc commands' module leads).
 FIRST = ("lm_demo",)

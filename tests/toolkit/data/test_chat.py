@@ -88,16 +88,16 @@ def test_missing_files_bad_utf8_and_unknown_tasks(tmp_path):
 def test_overlong_conversations_are_truncated_or_dropped_and_counted():
   tokenizer = _tokenizer()
   short = chat.Conversation([{"role": "user", "content": "a"},
-                             {"role": "assistant", "content": "b"}], "short")  # 20 bytes
+                             {"role": "assistant", "content": "b"}], "short")  # 10 bytes
   long = chat.Conversation([{"role": "user", "content": "x" * 10},
-                            {"role": "assistant", "content": "y" * 30}], "long")  # 59 bytes
+                            {"role": "assistant", "content": "y" * 30}], "long")  # 48 bytes
   late = chat.Conversation([{"role": "user", "content": "x" * 60},
                             {"role": "assistant", "content": "y"}], "late")
   cut = chat.tokenize([short, long, late], tokenizer, 40, "t", overlong="truncate")
   assert (len(cut), cut.truncated, cut.dropped) == (2, 1, 1)  # `late` keeps no answer
   assert cut.document(1)["inputs"].size == 40
   assert bytes(cut.tokens[cut.starts[1]:cut.starts[2]].tolist()) == (
-      b"user: " + b"x" * 10 + b"\nassistant: " + b"y" * 13)
+      b"U: " + b"x" * 10 + b"\nA: " + b"y" * 24)
   dropped = chat.tokenize([short, long, late], tokenizer, 40, "t", overlong="drop")
   assert (len(dropped), dropped.truncated, dropped.dropped) == (1, 0, 2)
   with pytest.raises(ConfigError, match="all 1 conversations of t are longer than "
@@ -112,8 +112,7 @@ def test_loss_weights_on_the_assistant_or_on_everything():
   docs = chat.tokenize([conversation], tokenizer, 128, "t")
   document = docs.document(0)
   text = bytes(docs.tokens.tolist())
-  assert text == (b"system: Be brief.\nuser: Hi\nassistant: Hello!\nuser: Bye\n"
-                  b"assistant: Ciao\n")
+  assert text == b"S: Be brief.\nU: Hi\nA: Hello!\nU: Bye\nA: Ciao\n"
   np.testing.assert_array_equal(document["inputs"], docs.tokens[:-1])
   np.testing.assert_array_equal(document["targets"], docs.tokens[1:])
   trained = bytes(document["targets"][document["loss_weights"] == 1].tolist())

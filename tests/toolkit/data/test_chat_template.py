@@ -170,10 +170,10 @@ def test_byte_level_template_and_the_end_of_turn_token():
   messages = [{"role": "user", "content": "reverse abc"},
               {"role": "assistant", "content": "cbé"}]
   ids, mask = tokenizer.encode(messages)
-  text = "user: reverse abc\nassistant: cbé\n"
+  text = "U: reverse abc\nA: cbé\n"
   assert bytes(ids.tolist()) == text.encode()
   assert bytes(ids[mask].tolist()) == "cbé\n".encode()  # two bytes for é, both masked
-  assert bytes(tokenizer.encode_prompt(messages[:1]).tolist()) == b"user: reverse abc\nassistant: "
+  assert bytes(tokenizer.encode_prompt(messages[:1]).tolist()) == b"U: reverse abc\nA: "
   assert tokenizer.end_of_turn() == ord("\n")
   assert tokenizer.encode(messages, "all")[1].all()
 
