@@ -27,6 +27,7 @@ from models import LlamaConfig, ViTConfig
 from tests import extras, preloaded, tiny_runs
 from toolkit import training
 from tests.tiny_runs import TOLERANCE
+from tests.models.test_quantization import AGREEMENT, LOGIT_BOUND, TIE_MARGIN, TRAINED_STEPS
 from tests.toolkit.training.test_resume import DAMAGE
 from toolkit.tuning import population, results as results_lib, runner, seeds as seeds_lib
 
@@ -128,6 +129,13 @@ _SFT_RESULT = (f"held-out exact match from <= {SFT_BEFORE_MAX:.0%} before to >= 
                f"0, 1, 2")
 CLAIMS.update({"experiments/sft.py": list(_SFT_RESULT),
                "docs/post_training.md": list(_SFT_RESULT)})
+
+# Int8 weight-only serving against bfloat16 on the trained CPU LM: the bounds are
+# tests/models/test_quantization.py's (where they are measured and checked).
+CLAIMS["docs/inference.md"] = [
+    f"On the `cpu` model trained for {TRAINED_STEPS} steps",
+    f"bfloat16's at >= {AGREEMENT:.0%} of positions", f"no logit moves by more than {LOGIT_BOUND}",
+    f"two best logits are within {TIE_MARGIN} of each other"]
 
 
 def _words(text: str) -> str:
