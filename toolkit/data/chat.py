@@ -64,7 +64,7 @@ class Conversation:
 
 # --- files -> conversations ---------------------------------------------------------------
 
-def _message_list(value, where: str, field: str) -> Messages:
+def message_list(value, where: str, field: str) -> Messages:
   if not isinstance(value, list) or not value:
     raise ConfigError(f"{where}: {field} must be a non-empty list of {{\"role\", \"content\"}} "
                       f"objects")
@@ -85,13 +85,13 @@ def parse_record(record, where: str) -> Messages:
     raise ConfigError(f"{where}: not a JSON object; give {{\"messages\": [...]}} or "
                       f"{{\"prompt\": ..., \"completion\": ...}}")
   if "messages" in record:
-    return _message_list(record["messages"], where, "messages")
+    return message_list(record["messages"], where, "messages")
   if "prompt" in record and "completion" in record:
     sides = []
     for key, role in (("prompt", "user"), ("completion", "assistant")):
       value = record[key]
       sides += ([{"role": role, "content": value}] if isinstance(value, str)
-                else _message_list(value, where, key))
+                else message_list(value, where, key))
     return sides
   raise ConfigError(f"{where}: has neither \"messages\" nor \"prompt\" and \"completion\" "
                     f"(keys: {', '.join(sorted(record)) or 'none'})")
@@ -106,7 +106,8 @@ def _jsonl(path: str) -> Iterator[Conversation]:
     yield Conversation(parse_record(record, where), where)
 
 
-def _parquet(path: str) -> Iterator[Conversation]:
+def parquet_records(path: str) -> Iterator[tuple[str, dict]]:
+  """("PATH row N", the row as a dict) for each row of a Parquet file, read with pyarrow."""
   try:
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -119,10 +120,15 @@ def _parquet(path: str) -> Iterator[Conversation]:
   for batch in parquet.iter_batches(batch_size=1024):
     for record in batch.to_pylist():
       row += 1
-      yield Conversation(parse_record(record, f"{path} row {row}"), f"{path} row {row}")
+      yield f"{path} row {row}", record
 
 
-def _files(spec: str, field: str) -> list[str]:
+def _parquet(path: str) -> Iterator[Conversation]:
+  for where, record in parquet_records(path):
+    yield Conversation(parse_record(record, where), where)
+
+
+def data_files(spec: str, field: str) -> list[str]:
   files = []
   for item in filter(None, (s.strip() for s in spec.split(","))):
     found = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
@@ -143,7 +149,7 @@ def read_conversations(spec: str, field: str = "data.path",
     return [Conversation(m, f"{spec} {split} #{i}")
             for i, m in enumerate(instruct.conversations(task[0], split, task[1]))]
   found: list[Conversation] = []
-  for path in _files(spec, field):
+  for path in data_files(spec, field):
     found.extend((_parquet if path.endswith(".parquet") else _jsonl)(path))
   if not found:
     raise ConfigError(f"{field}={spec!r} holds no conversations")

@@ -1,0 +1,250 @@
+"""Preference pairs for preference tuning (toolkit/post_training/dpo.py): a prompt with a
+preferred (chosen) and a dispreferred (rejected) completion, through the model's chat template,
+as rows that each side's log-probability is read from.
+
+Records. JSONL files (one pair per line) or Parquet (one per row), each
+    {"prompt": "..." | [messages], "chosen": "..." | [messages], "rejected": "..." | [messages]}
+trl's explicit-prompt preference form: a string prompt is one user turn, a string completion
+one assistant turn; lists are messages as in chat data (toolkit/data/chat.py), so a prompt may
+hold a system turn and earlier turns of the conversation. A record that is not such a pair, or
+whose two completions are the same, is one error naming the file and the line.
+`synthetic:NAME[:COUNT]` reads a built-in task (toolkit/data/instruct.py) instead: the prompt
+is the instruction, chosen its right answer and rejected the right answer of another
+instruction of the same split, so a wrong answer of the right form (for `repeat`, another
+word).
+
+Tokens. Each side is the prompt followed by its completion, rendered by the chat template and
+tokenized as chat data is (`ChatTokenizer.encode`). Its completion tokens, the only ones a side's
+log-probability sums over, are the assistant tokens past the prompt rendered with the
+generation prompt (so an assistant turn inside the prompt counts for nothing); the prompt's
+tokens must be the first tokens of both sides, or the pair is refused by name. A side longer
+than `seq_len` + 1 tokens is cut to its first `seq_len` + 1 (`overlong="truncate"`; a pair
+where a side keeps no completion token is dropped) or the pair is left out (`"drop"`).
+
+Rows. `Pairs` holds every pair as (pairs, 2, seq_len) arrays, side 0 chosen and side 1
+rejected: "inputs" and "targets" int32 (target t is token t + 1) and "completion_weights"
+float32, 1 on the targets that are completion tokens and 0 on the prompt's and on padding. A
+batch keeps its pairs whole on the leading axis, so however it is split over devices or into
+micro-batches, both sides of a pair stay together. `PreferenceBatches` serves them: batch `s`
+is a pure function of (seed, s), each epoch a new permutation of the pairs; the held-out
+batches are the held-out pairs in order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from toolkit.data import chat, instruct, text
+from toolkit.data.chat_template import ChatTokenizer
+from toolkit.data.feed import MAX_STEPS, BatchIterator, Position, local_rows
+from toolkit.errors import ConfigError
+
+Messages = list[dict]
+KEYS = ("inputs", "targets", "completion_weights")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+  prompt: Messages
+  chosen: Messages
+  rejected: Messages
+  where: str  # "FILE line N", "FILE row N", "synthetic:NAME train #N"
+
+
+def _side(value, where: str, field: str, role: str) -> Messages:
+  if isinstance(value, str):
+    return [{"role": role, "content": value}]
+  return chat.message_list(value, where, field)
+
+
+def parse_record(record, where: str) -> Pair:
+  """The pair of one JSON object (module docstring)."""
+  if not isinstance(record, dict):
+    raise ConfigError(f"{where}: not a JSON object; give {{\"prompt\": ..., \"chosen\": ..., "
+                      f"\"rejected\": ...}}")
+  missing = [key for key in ("prompt", "chosen", "rejected") if key not in record]
+  if missing:
+    raise ConfigError(f"{where}: has no {', '.join(map(repr, missing))} (keys: "
+                      f"{', '.join(sorted(record)) or 'none'}); a preference pair needs "
+                      f"\"prompt\", \"chosen\" and \"rejected\"")
+  pair = Pair(_side(record["prompt"], where, "prompt", "user"),
+              _side(record["chosen"], where, "chosen", "assistant"),
+              _side(record["rejected"], where, "rejected", "assistant"), where)
+  if pair.chosen == pair.rejected:
+    raise ConfigError(f"{where}: \"chosen\" and \"rejected\" are the same completion, which "
+                      f"states no preference; remove the pair or fix one side")
+  return pair
+
+
+def _records(path: str):
+  """(where, record) of every pair in a JSONL or Parquet file."""
+  if path.endswith(".parquet"):
+    yield from chat.parquet_records(path)
+    return
+  for where, line in text.jsonl_lines(path):
+    try:
+      yield where, json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def synthetic_pairs(name: str, split: str, count: int = instruct.TRAIN) -> list[Pair]:
+  """Task `name`'s instructions of `split` as pairs: chosen the right answer, rejected the
+  answer of the next instruction in the split that answers differently."""
+  conversations = instruct.conversations(name, split, count)
+  answers = [c[-1]["content"] for c in conversations]
+  pairs = []
+  for i, conversation in enumerate(conversations):
+    j = next(k % len(answers) for k in range(i + 1, i + 1 + len(answers))
+             if answers[k % len(answers)] != answers[i])
+    pairs.append(Pair(conversation[:-1], conversation[-1:],
+                      [{"role": "assistant", "content": answers[j]}],
+                      f"synthetic:{name} {split} #{i}"))
+  return pairs
+
+
+def read_pairs(spec: str, field: str = "data.path", split: str = "train") -> list[Pair]:
+  """Every pair of `spec` (files, or `synthetic:NAME`'s `split`), in file order."""
+  task = instruct.parse(spec)
+  if task is not None:
+    return synthetic_pairs(task[0], split, task[1])
+  found = [parse_record(record, where) for path in chat.data_files(spec, field)
+           for where, record in _records(path)]
+  if not found:
+    raise ConfigError(f"{field}={spec!r} holds no preference pairs")
+  return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+  """Tokenized pairs: each of KEYS (pairs, 2, seq_len), side 0 chosen, side 1 rejected."""
+  name: str
+  arrays: dict[str, np.ndarray]
+  truncated: int = 0
+  dropped: int = 0
+
+  def __len__(self) -> int:
+    return len(self.arrays["inputs"])
+
+
+def _encode_side(tokenizer: ChatTokenizer, pair: Pair, completion: Messages,
+                 prompt_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(token ids, completion mask) of the prompt followed by `completion`."""
+  ids, assistant = tokenizer.encode(pair.prompt + completion, "assistant")
+  if ids.size < prompt_ids.size or not np.array_equal(ids[:prompt_ids.size], prompt_ids):
+    raise ConfigError(f"{pair.where}: the chat template's tokens for the prompt are not the "
+                      f"first tokens of the prompt with its completion, so the completion "
+                      f"cannot be told apart; check the template (data.chat_template)")
+  completion_mask = assistant.copy()
+  completion_mask[:prompt_ids.size] = False
+  if not completion_mask.any():
+    raise ConfigError(f"{pair.where}: a completion renders to no assistant tokens; give it "
+                      f"as an assistant turn")
+  return ids, completion_mask
+
+
+def tokenize(pairs: list[Pair], tokenizer: ChatTokenizer, seq_len: int, name: str,
+             overlong: str = "truncate") -> Pairs:
+  """The pairs as rows of `seq_len` positions (module docstring)."""
+  rows = {key: [] for key in KEYS}
+  truncated = dropped = 0
+  for pair in pairs:
+    try:
+      prompt_ids = tokenizer.encode_prompt(pair.prompt)
+      sides = [_encode_side(tokenizer, pair, c, prompt_ids) for c in (pair.chosen, pair.rejected)]
+    except ConfigError as e:
+      message = str(e)
+      raise ConfigError(message if message.startswith(pair.where)
+                        else f"{pair.where}: {message}") from None
+    if max(ids.size for ids, _ in sides) > seq_len + 1:
+      sides = [(ids[:seq_len + 1], mask[:seq_len + 1]) for ids, mask in sides]
+      if overlong == "drop" or not all(mask[1:].any() for _, mask in sides):
+        dropped += 1
+        continue
+      truncated += 1
+    padded = {key: np.zeros((2, seq_len), np.float32 if key == KEYS[2] else np.int32)
+              for key in KEYS}
+    for side, (ids, mask) in enumerate(sides):
+      n = ids.size - 1
+      padded["inputs"][side, :n] = ids[:-1]
+      padded["targets"][side, :n] = ids[1:]
+      padded["completion_weights"][side, :n] = mask[1:]
+    for key in KEYS:
+      rows[key].append(padded[key])
+  if not rows["inputs"]:
+    raise ConfigError(f"all {len(pairs)} preference pairs of {name} are longer than "
+                      f"data.seq_len={seq_len} + 1 tokens and were dropped (data.overlong="
+                      f"{overlong!r}); raise data.seq_len or use data.overlong='truncate'")
+  return Pairs(name, {key: np.stack(value) for key, value in rows.items()}, truncated, dropped)
+
+
+class PreferenceBatches:
+  """Training and held-out batches of `pairs_per_batch` pairs, (pairs, 2, seq_len) each key,
+  split over the mesh's batch axes by the leading (pair) axis."""
+
+  def __init__(self, train: Pairs, held_out: Pairs, seed: int, pairs_per_batch: int,
+               eval_batches: int, sharding: NamedSharding):
+    if len(held_out) < pairs_per_batch:
+      raise ConfigError(f"{held_out.name} holds {len(held_out)} pair(s), fewer than one batch "
+                        f"of {pairs_per_batch}; give more held-out pairs or a smaller "
+                        f"data.global_batch_size")
+    self.train, self.held_out, self.seed = train, held_out, seed
+    self.pairs_per_batch, self.sharding = pairs_per_batch, sharding
+    self.eval_batches = min(eval_batches, len(held_out) // pairs_per_batch)
+    self.shape = (pairs_per_batch, 2, train.arrays["inputs"].shape[-1])
+    self.rows = local_rows(sharding, self.shape)
+
+  def indices(self, step: int) -> np.ndarray:
+    """The training pairs of batch `step`: positions step x P ... of the epochs' permutations."""
+    n = len(self.train)
+    position = step * self.pairs_per_batch + np.arange(self.pairs_per_batch)
+    epochs, within = np.divmod(position, n)
+    order = {int(e): np.random.default_rng([self.seed, int(e)]).permutation(n)
+             for e in np.unique(epochs)}
+    return np.asarray([order[int(e)][i] for e, i in zip(epochs, within)])
+
+  def host_batch(self, step: int) -> dict[str, np.ndarray]:
+    """This process's pairs of batch `step`, on the host."""
+    picked = self.indices(step)[self.rows]
+    return {key: self.train.arrays[key][picked] for key in KEYS}
+
+  def place(self, rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    make = lambda x: jax.make_array_from_process_local_data(self.sharding, x, self.shape)
+    with jax.transfer_guard_host_to_device("allow"):  # a deliberate transfer (text.Batches)
+      return {key: make(value) for key, value in rows.items()}
+
+  def batch(self, step: int) -> dict[str, jax.Array]:
+    return self.place(self.host_batch(step))
+
+  def eval_batch(self, index: int) -> dict[str, jax.Array]:
+    """Held-out batch `index`: pairs index x P ... in order, the same at every evaluation."""
+    picked = (index * self.pairs_per_batch + np.arange(self.pairs_per_batch))[self.rows]
+    return self.place({key: self.held_out.arrays[key][picked] for key in KEYS})
+
+  def iterator(self, start_step: int, position: Position | None = None,
+               prefetch: int = 2) -> BatchIterator:
+    """Batches from `start_step` on; a batch is a pure function of the step, so the saved
+    `position` holds nothing more than the step."""
+    del position
+    counter = iter(range(start_step, MAX_STEPS))
+
+    def produce():
+      step = next(counter)
+      return step, self.host_batch(step), {"step": step + 1}
+    return BatchIterator(produce, self.place, start_step, prefetch)
+
+  def abstract(self) -> dict[str, jax.ShapeDtypeStruct]:
+    return {key: jax.ShapeDtypeStruct(self.shape, np.float32 if key == KEYS[2] else np.int32,
+                                      sharding=self.sharding) for key in KEYS}
+
+  def describe(self) -> str:
+    share = lambda p: p.arrays["completion_weights"].sum() / max(p.arrays["inputs"].size, 1)
+    return (f"preference pairs: {len(self.train):,} training ({self.train.name}), "
+            f"{len(self.held_out):,} held out, {self.pairs_per_batch} a batch (2 rows each); "
+            f"{share(self.train):.0%} of the positions are completion tokens; longer than "
+            f"seq_len + 1: {self.train.truncated + self.held_out.truncated} truncated, "
+            f"{self.train.dropped + self.held_out.dropped} dropped")
