@@ -104,3 +104,15 @@ class BatchIterator:
     if self._release is not None:
       self._release()
       self._release = None
+
+
+def step_iterator(host_batch: Callable[[int], object], place: Callable[[object], Batch],
+                  start_step: int, prefetch: int) -> BatchIterator:
+  """The iterator of batches that are a pure function of the step (`host_batch(step)`, then
+  `place`): from `start_step` on, the position after each batch nothing more than the step."""
+  counter = iter(range(start_step, MAX_STEPS))
+
+  def produce():
+    step = next(counter)
+    return step, host_batch(step), {"step": step + 1}
+  return BatchIterator(produce, place, start_step, prefetch)

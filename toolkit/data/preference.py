@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding
 
 from toolkit.data import chat, instruct, text
 from toolkit.data.chat_template import ChatTokenizer
-from toolkit.data.feed import MAX_STEPS, BatchIterator, Position, local_rows
+from toolkit.data.feed import BatchIterator, Position, local_rows, step_iterator
 from toolkit.errors import ConfigError
 
 Messages = list[dict]
@@ -230,12 +230,7 @@ class PreferenceBatches:
     """Batches from `start_step` on; a batch is a pure function of the step, so the saved
     `position` holds nothing more than the step."""
     del position
-    counter = iter(range(start_step, MAX_STEPS))
-
-    def produce():
-      step = next(counter)
-      return step, self.host_batch(step), {"step": step + 1}
-    return BatchIterator(produce, self.place, start_step, prefetch)
+    return step_iterator(self.host_batch, self.place, start_step, prefetch)
 
   def abstract(self) -> dict[str, jax.ShapeDtypeStruct]:
     return {key: jax.ShapeDtypeStruct(self.shape, np.float32 if key == KEYS[2] else np.int32,

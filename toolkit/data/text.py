@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from toolkit.data.feed import MAX_STEPS, Batch, BatchIterator, Position, local_rows
+from toolkit.data.feed import Batch, BatchIterator, Position, local_rows, step_iterator
 from toolkit.errors import ConfigError
 
 
@@ -139,12 +139,7 @@ class Batches:
     """Batches from `start_step` on, `prefetch` of them prepared ahead in a thread. A batch is
     a pure function of the step, so the saved `position` holds nothing more than the step."""
     del position
-    counter = iter(range(start_step, MAX_STEPS))
-
-    def produce():
-      step = next(counter)
-      return step, self.host_batch(step), {"step": step + 1}
-    return BatchIterator(produce, self.place, start_step, prefetch)
+    return step_iterator(self.host_batch, self.place, start_step, prefetch)
 
   def abstract(self) -> Batch:
     spec = jax.ShapeDtypeStruct(self.shape, np.int32, sharding=self.sharding)
