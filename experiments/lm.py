@@ -86,6 +86,21 @@ _POD_DATA = {"125m": (1024, 512, 1), "1b": (2048, 512, 2), "7b": (4096, 256, 1),
              "8b": (4096, 256, 1), "70b": (4096, 1024, 1), "8x7b": (4096, 256, 1)}
 
 
+def parse_arg(arg: str | None, experiment: str, variants: tuple[str, ...],
+              keys: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+  """(the variant, {key: value}) of a comma-separated `get_config` argument whose items are
+  one of `variants` or key=value with one of `keys` (the first variant when none is named);
+  ValueError naming `experiment` for any other item."""
+  items = [item for item in (arg or variants[0]).split(",") if item]
+  for item in items:
+    key, sep, _ = item.partition("=")
+    if (sep and key not in keys) or (not sep and key not in variants):
+      raise ValueError(f"{experiment}: unknown variant {item!r}; choose from "
+                       f"{', '.join(variants)} or key=value with keys {', '.join(keys)}")
+  keyed = dict(item.partition("=")[::2] for item in items if "=" in item)
+  return next((item for item in items if "=" not in item), variants[0]), keyed
+
+
 def set_model(config, preset: str) -> None:
   """The model preset's fields, and for the real sizes a pod-scale batch over fsdp on every
   chip (experiments/moe.py shares it)."""

@@ -46,14 +46,8 @@ _MODEL_FIELDS = {"dispatch": "moe_dispatch", "exchange": "expert_exchange"}
 
 
 def get_config(arg: str | None = None):
-  items = [item for item in (arg or "cpu").split(",") if item]
-  for item in items:
-    key, sep, _ = item.partition("=")
-    if (sep and key not in _KEYS) or (not sep and key not in _VARIANTS):
-      raise ValueError(f"experiments/moe.py: unknown variant {item!r}; choose from "
-                       f"{', '.join(_VARIANTS)} or key=value with keys {', '.join(_KEYS)}")
-  keyed = dict(item.partition("=")[::2] for item in items if "=" in item)
-  tiny = "tiny" in items
+  variant, keyed = lm.parse_arg(arg, "experiments/moe.py", _VARIANTS, _KEYS)
+  tiny = variant == "tiny"
   size = keyed.pop("size", "moe_tiny" if tiny else "moe_cpu")
   if size not in _MOE_SIZES:
     raise ValueError(f"experiments/moe.py: size={size!r} is unknown; choose from "

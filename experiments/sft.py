@@ -76,14 +76,7 @@ def _chat(config, seq_len: int, batch: int) -> None:
 
 
 def get_config(arg: str | None = None):
-  items = [item for item in (arg or "cpu").split(",") if item]
-  for item in items:
-    key, sep, _ = item.partition("=")
-    if (sep and key not in _KEYS) or (not sep and key not in _VARIANTS):
-      raise ValueError(f"experiments/sft.py: unknown variant {item!r}; choose from "
-                       f"{', '.join(_VARIANTS)} or key=value with keys {', '.join(_KEYS)}")
-  keyed = dict(item.partition("=")[::2] for item in items if "=" in item)
-  variant = next((item for item in items if "=" not in item), "cpu")
+  variant, keyed = lm.parse_arg(arg, "experiments/sft.py", _VARIANTS, _KEYS)
   config = defaults()
   if variant == "1b":
     lm.set_model(config, "1b")
@@ -101,8 +94,7 @@ def get_config(arg: str | None = None):
       config.data.update(path="synthetic:repeat:256", eval_batches=2)
       config.train.update(steps=4, log_every=2, eval_every=4, checkpoint_every=2)
   if "task" in keyed:
-    config.data.path = "synthetic:" + keyed["task"] + config.data.path.partition(
-        "synthetic:repeat")[2]
+    set_task(config, keyed["task"])
   if "packing" in keyed:
     if keyed["packing"] not in ("on", "off"):
       raise ValueError(f"experiments/sft.py: packing={keyed['packing']!r}; use on or off")
@@ -117,11 +109,21 @@ def get_config(arg: str | None = None):
       config.optimizer.warmup_steps = LORA_WARMUP_STEPS
       config.train.update(steps=LORA_STEPS, checkpoint_every=LORA_STEPS)
   if "base" in keyed:
-    init_from.with_hf_model(config, keyed["base"], field="base=")
-    config.data.tokenizer = ""  # the folder's, when it has one
+    set_base(config, keyed["base"])
     if variant == "1b":
       config.data.chat_template = ""  # the folder's own
   return config
+
+
+def set_task(config, name: str) -> None:
+  """task=NAME: synthetic:NAME instead of synthetic:repeat (keeping a :COUNT)."""
+  config.data.path = "synthetic:" + name + config.data.path.partition("synthetic:repeat")[2]
+
+
+def set_base(config, folder: str) -> None:
+  """base=DIR: the Hugging Face folder's model and weights, and its tokenizer when it has one."""
+  init_from.with_hf_model(config, folder, field="base=")
+  config.data.tokenizer = ""
 
 
 _SWEEPS = ("lora", "tiny")

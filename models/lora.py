@@ -181,6 +181,28 @@ def runtime(keys: jax.Array | None = None, alpha=None, dropout=None) -> Iterator
 
 
 @contextlib.contextmanager
+def _replaced(**changes) -> Iterator[None]:
+  run = _RUNTIME.get() or _Runtime(None)
+  token = _RUNTIME.set(dataclasses.replace(run, **changes))
+  try:
+    yield
+  finally:
+    _RUNTIME.reset(token)
+
+
+def no_dropout():
+  """Adapters traced inside apply no dropout; a population's alpha stays (preference tuning
+  trains without dropout, as trl's DPOTrainer does by default)."""
+  return _replaced(keys=None)
+
+
+def base_only():
+  """Adapters traced inside add nothing (their scale is 0): the outputs are the frozen base
+  model's, DPO's reference, without a second copy of the weights."""
+  return _replaced(keys=None, alpha=0.0)
+
+
+@contextlib.contextmanager
 def layer(index) -> Iterator[None]:
   """Marks the layer being run (an int or a traced index in a scan over the stacked layers),
   so each layer draws its own dropout masks; a no-op outside `runtime`."""

@@ -84,7 +84,8 @@ def gcs_bucket(gcs_server):
 # pytest 9.2, whose node ids xdist 3.8 can no longer rename; hence this scheduler.)
 RUNS_APART = "tests/test_documented_results.py"
 SHARED_RUNS = {"test_lm_demo_bits_per_byte": "lm_demo",
-               "test_sft_learns_to_repeat_words_on_three_seeds": "lm_demo"}
+               "test_sft_learns_to_repeat_words_on_three_seeds": "lm_demo",
+               "test_dpo_prefers_the_right_word_on_three_seeds": "lm_demo"}
 # Units handed out first, longest first: xdist queues units by their number of tests, which put
 # the demo and the fine-tunes (2 tests, ~19 minutes on busy cores then; 7.2 quiet since the
 # fine-tunes got shorter on 2026-12-03) behind dozens of short

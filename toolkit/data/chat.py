@@ -260,30 +260,33 @@ def tokenizer_path(data_config, init_from: str = "") -> str:
   return folder if folder and os.path.isfile(os.path.join(folder, "tokenizer.json")) else BYTES
 
 
-def held_out_split(conversations: list[Conversation], fraction: float
-                   ) -> tuple[list[Conversation], list[Conversation]]:
-  """(training, held-out) conversations: `fraction` of them (at least one) held out, picked
-  by a fixed permutation, so every seed is scored on the same ones."""
-  count = max(1, round(len(conversations) * fraction))
-  if count >= len(conversations):
-    raise ConfigError(f"data.path holds {len(conversations)} conversation(s): too few to hold "
-                      f"out data.eval_fraction={fraction} of them and train on the rest; give "
+def held_out_split(records: list, fraction: float, what: str = "conversation"
+                   ) -> tuple[list, list]:
+  """(training, held-out) records (conversations, or preference pairs): `fraction` of them (at
+  least one) held out, picked by a fixed permutation, so every seed is scored on the same
+  ones."""
+  count = max(1, round(len(records) * fraction))
+  if count >= len(records):
+    raise ConfigError(f"data.path holds {len(records)} {what}(s): too few to hold out "
+                      f"data.eval_fraction={fraction} of them and train on the rest; give "
                       f"held-out files in data.eval_path")
-  held = set(np.random.default_rng(0).permutation(len(conversations))[:count].tolist())
-  return ([c for i, c in enumerate(conversations) if i not in held],
-          [c for i, c in enumerate(conversations) if i in held])
+  held = set(np.random.default_rng(0).permutation(len(records))[:count].tolist())
+  return ([c for i, c in enumerate(records) if i not in held],
+          [c for i, c in enumerate(records) if i in held])
 
 
-def split_conversations(data_config) -> tuple[list[Conversation], list[Conversation], str]:
+def split_conversations(data_config, read=None, what: str = "conversation"
+                        ) -> tuple[list, list, str]:
   """(training, held-out) conversations of a config's `data` section, and where the held-out
-  ones come from: data.eval_path, a synthetic task's own split, or data.eval_fraction."""
-  d = data_config
-  train = read_conversations(d.path, "data.path", "train")
+  ones come from: data.eval_path, a synthetic task's own split, or data.eval_fraction. `read`
+  (default `read_conversations`) reads other records the same way (preference pairs)."""
+  d, read = data_config, read or read_conversations
+  train = read(d.path, "data.path", "train")
   if d.eval_path:
-    return train, read_conversations(d.eval_path, "data.eval_path", "held_out"), d.eval_path
+    return train, read(d.eval_path, "data.eval_path", "held_out"), d.eval_path
   if instruct.parse(d.path) is not None:
-    return train, read_conversations(d.path, "data.path", "held_out"), "the task's own"
-  train, held_out = held_out_split(train, d.eval_fraction)
+    return train, read(d.path, "data.path", "held_out"), "the task's own"
+  train, held_out = held_out_split(train, d.eval_fraction, what)
   return train, held_out, f"data.eval_fraction={d.eval_fraction} of data.path"
 
 

@@ -26,6 +26,8 @@ def from_config(config, spec) -> text.Batches | GrainBatches | DocumentBatches:
                         d.seq_len, d.global_batch_size, d.eval_batches, batch_sharding)
   if d.source == "chat":
     return _chat_batches(config, spec)
+  if d.source == "preference":
+    return _preference_batches(config, spec)
   # Grain (0.1 s to import) only for the runs that read through it: the built-in text above
   # reaches its first step sooner without it.
   from toolkit.data import images  # pylint: disable=g-import-not-at-top
@@ -78,6 +80,19 @@ def _chat_batches(config, spec) -> DocumentBatches:
   return chat.ChatBatches(data, d.seq_len, config.seed, d.global_batch_size, spec.mesh,
                           spec.rules, d.eval_batches, d.prefetch, bins=d.get("packing_bins", 0),
                           packed=d.get("packing", False))
+
+
+def _preference_batches(config, spec):
+  """Preference pairs (toolkit/data/preference.py) through the chat template."""
+  from toolkit.data import preference  # pylint: disable=g-import-not-at-top
+  d = config.data
+  data = preference.PreferenceData.from_config(d, config.train.get("init_from", ""))
+  data.check_vocab(spec.model.vocab_size)
+  batch_sharding = NamedSharding(spec.mesh, spec.rules.activation_spec(("batch", None, None),
+                                                                       spec.mesh))
+  return preference.PreferenceBatches(data.train, data.held_out, config.seed,
+                                      d.global_batch_size, d.eval_batches, batch_sharding,
+                                      notes=data.notes)
 
 
 def token_unit(config) -> str:

@@ -1,4 +1,4 @@
-"""Preference pairs for preference tuning (toolkit/post_training/dpo.py): a prompt with a
+"""Preference pairs for preference tuning (toolkit/training/dpo.py): a prompt with a
 preferred (chosen) and a dispreferred (rejected) completion, through the model's chat template,
 as rows that each side's log-probability is read from.
 
@@ -182,17 +182,41 @@ def tokenize(pairs: list[Pair], tokenizer: ChatTokenizer, seq_len: int, name: st
   return Pairs(name, {key: np.stack(value) for key, value in rows.items()}, truncated, dropped)
 
 
+@dataclasses.dataclass(frozen=True)
+class PreferenceData:
+  """A run's tokenized pairs and the lines the start-up log prints about them."""
+  train: Pairs
+  held_out: Pairs
+  tokenizer: ChatTokenizer
+  notes: tuple[str, ...]
+
+  @classmethod
+  def from_config(cls, data_config, init_from: str = "") -> PreferenceData:
+    d = data_config
+    tokenizer = ChatTokenizer.load(chat.tokenizer_path(d, init_from), d.chat_template)
+    train, held_out, source = chat.split_conversations(d, read_pairs, "preference pair")
+    splits = (tokenize(train, tokenizer, d.seq_len, d.path, d.overlong),
+              tokenize(held_out, tokenizer, d.seq_len, d.eval_path or f"{d.path} (held out)",
+                       d.overlong))
+    notes = (f"preference pairs: {len(splits[0]):,} training from {d.path}, {len(splits[1]):,} "
+             f"held out ({source}), through {tokenizer.name}'s chat template",)
+    return cls(splits[0], splits[1], tokenizer, notes)
+
+  def check_vocab(self, vocab_size: int) -> None:
+    chat.ChatData.check_vocab(self, vocab_size)
+
+
 class PreferenceBatches:
   """Training and held-out batches of `pairs_per_batch` pairs, (pairs, 2, seq_len) each key,
   split over the mesh's batch axes by the leading (pair) axis."""
 
   def __init__(self, train: Pairs, held_out: Pairs, seed: int, pairs_per_batch: int,
-               eval_batches: int, sharding: NamedSharding):
+               eval_batches: int, sharding: NamedSharding, notes: tuple[str, ...] = ()):
     if len(held_out) < pairs_per_batch:
       raise ConfigError(f"{held_out.name} holds {len(held_out)} pair(s), fewer than one batch "
                         f"of {pairs_per_batch}; give more held-out pairs or a smaller "
                         f"data.global_batch_size")
-    self.train, self.held_out, self.seed = train, held_out, seed
+    self.train, self.held_out, self.seed, self.notes = train, held_out, seed, notes
     self.pairs_per_batch, self.sharding = pairs_per_batch, sharding
     self.eval_batches = min(eval_batches, len(held_out) // pairs_per_batch)
     self.shape = (pairs_per_batch, 2, train.arrays["inputs"].shape[-1])
@@ -238,8 +262,9 @@ class PreferenceBatches:
 
   def describe(self) -> str:
     share = lambda p: p.arrays["completion_weights"].sum() / max(p.arrays["inputs"].size, 1)
-    return (f"preference pairs: {len(self.train):,} training ({self.train.name}), "
-            f"{len(self.held_out):,} held out, {self.pairs_per_batch} a batch (2 rows each); "
-            f"{share(self.train):.0%} of the positions are completion tokens; longer than "
-            f"seq_len + 1: {self.train.truncated + self.held_out.truncated} truncated, "
-            f"{self.train.dropped + self.held_out.dropped} dropped")
+    return "\n".join([*self.notes, (
+        f"preference pairs: {len(self.train):,} training, {len(self.held_out):,} held out "
+        f"({self.eval_batches} batch(es) per eval), {self.pairs_per_batch} a batch (2 rows "
+        f"each); {share(self.train):.0%} of the positions are completion tokens; longer than "
+        f"seq_len + 1: {self.train.truncated + self.held_out.truncated} truncated, "
+        f"{self.train.dropped + self.held_out.dropped} dropped")])

@@ -94,6 +94,10 @@ def defaults() -> ml_collections.ConfigDict:
   # compiler flags that overlap collectives with compute on a TPU or GPU (toolkit/xla_flags.py),
   # "auto" (the platform's preset; flags already in LIBTPU_INIT_ARGS / XLA_FLAGS win) or "none".
   c.runtime = ml_collections.ConfigDict(dict(xla_flags="auto"))
+  # Preference tuning (data.source="preference": toolkit/training/dpo.py, tasks.py): the
+  # reward scale beta, the loss (sigmoid, hinge, ipo, robust) and, for robust, the
+  # probability that a pair's labels are flipped.
+  c.dpo = ml_collections.ConfigDict(dict(beta=0.1, loss="sigmoid", label_smoothing=0.0))
   return c
 
 
@@ -134,7 +138,8 @@ class RunSpec:
 
 
 # task -> data.source values it accepts.
-_SOURCES = {"lm": ("stdlib_docs", "synthetic", "tokens", "chat"),
+_SOURCES = {"lm": ("stdlib_docs", "synthetic", "tokens", "chat", "preference"),
+            "dpo": ("preference",),
             "classification": ("digits", "npz", "image_folder", "synthetic")}
 _TASK_OF_KIND = {"llama": "lm", "vit": "classification"}
 
@@ -159,18 +164,24 @@ def resolve(config: ml_collections.ConfigDict,
   d = config.data
   kind = config.model.get("kind", "llama")
   task = _TASK_OF_KIND[kind]
+  if task == "lm" and d.source == "preference":
+    task = "dpo"
   if d.source not in _SOURCES[task]:
     raise ConfigError(f"data.source={d.source!r} does not fit model.kind={kind!r} "
                       f"({task}); choose one of {', '.join(_SOURCES[task])}")
   # Configs saved before data.path existed (older checkpoints) lack it.
-  if d.source in ("tokens", "npz", "image_folder", "chat") and not d.get("path", ""):
+  if (d.source in ("tokens", "npz", "image_folder", "chat", "preference")
+      and not d.get("path", "")):
     raise ConfigError(f"data.source={d.source!r} needs data.path: give --config.data.path=" + {
         "tokens": "a folder written by scripts/prepare_text.py",
-        "chat": "JSONL or Parquet files of conversations (or synthetic:reverse)"}.get(
-            d.source, "the " + d.source.replace("_", " ")))
-  if d.source == "chat":
+        "chat": "JSONL or Parquet files of conversations (or synthetic:reverse)",
+        "preference": "JSONL or Parquet files of {prompt, chosen, rejected} pairs (or "
+                      "synthetic:repeat)"}.get(d.source, "the " + d.source.replace("_", " ")))
+  if d.source in ("chat", "preference"):
     from toolkit.data import chat  # pylint: disable=g-import-not-at-top  # imports Grain
     chat.check_config(d)
+  if task == "dpo":
+    _check_preference(config, model, mesh)
   if d.source == "stdlib_docs" and model.vocab_size < 256:
     raise ConfigError(f"model.vocab_size={model.vocab_size} is below 256, the byte-level "
                       f"vocabulary of data.source='stdlib_docs'; set model.vocab_size>=256")
@@ -221,6 +232,29 @@ def _mesh(section: ml_collections.ConfigDict, devices: Sequence[jax.Device] | No
         f"(XLA_FLAGS=--xla_force_host_platform_device_count=8; the toolkit commands do it from "
         f"the mesh, toolkit.runtime.simulate_cpu_devices in Python) or fit the mesh to the "
         f"{len(found)} device(s) there are: --config.mesh.ici=fsdp:-1") from None
+
+
+def _check_preference(config: ml_collections.ConfigDict, model, mesh: Mesh) -> None:
+  """Preference tuning (task dpo): the objective's settings, and what it is built for so far:
+  LoRA adapters (the reference is their base), no dropout, whole rows on each device."""
+  from toolkit.training import dpo  # pylint: disable=g-import-not-at-top
+  settings = config.get("dpo", defaults().dpo)
+  try:
+    dpo.check(settings.beta, settings.loss, settings.label_smoothing)
+  except ValueError as e:
+    raise ConfigError(f"dpo.{e}") from None
+  if not model.lora_rank:
+    raise ConfigError("data.source='preference' trains LoRA adapters against their frozen base "
+                      "(the reference model); set model.lora_rank (e.g. 16): a full fine-tune "
+                      "against a frozen copy is not built yet")
+  if model.lora_dropout:
+    raise ConfigError(f"model.lora_dropout={model.lora_dropout}: preference tuning trains "
+                      f"without dropout (as trl's DPOTrainer does by default); set it to 0")
+  for axis in ("sequence", "stage"):
+    if mesh.shape.get(axis, 1) > 1:
+      raise ConfigError(f"mesh.ici has {axis}={mesh.shape[axis]}: preference tuning runs whole "
+                        f"rows through the whole model on each device so far; drop the "
+                        f"{axis} axis")
 
 
 # data.source values whose documents data.packing packs.

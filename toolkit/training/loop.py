@@ -350,7 +350,7 @@ def _evaluate(run_: Run, state, at_step: int) -> None:
   result.eval_losses[at_step] = scalars["loss"]
   result.eval_metrics[at_step] = scalars
   run_.writer.write(at_step, "eval", scalars)
-  if setup.task.name != "lm":
+  if setup.task.name == "classification":
     result.confusion = tasks.confusion_matrix(summary["labels"], summary["predictions"],
                                               setup.spec.model.num_classes)
   log(metrics_lib.eval_line(at_step, scalars, run_.units))

@@ -66,6 +66,11 @@ def eval_line(step: int, scalars: dict[str, float], units: Units) -> str:
   """The console's line for one eval: the loss in `units`, then for an LM the same loss in
   bits, for a classifier its accuracy."""
   loss = scalars["loss"]
+  if "preference_accuracy" in scalars:
+    return (f"eval at step {step}: loss {loss:.4f} {units.loss}, preference accuracy "
+            f"{scalars['preference_accuracy']:.2%}, policy prefers chosen "
+            f"{scalars['choice_accuracy']:.2%}, reward margin {scalars['reward_margin']:.3f} "
+            f"({int(scalars['pairs'])} held-out pairs)")
   if "accuracy" in scalars:
     return (f"eval at step {step}: loss {loss:.4f} {units.loss}, accuracy "
             f"{scalars['accuracy']:.2%} ({int(scalars['examples'])} held-out examples)")

@@ -146,6 +146,9 @@ RANGES: dict[str, Range] = {
     "train.sample_tokens": count("tokens sampled after training; 0 is off", low=0),
     "train.label_smoothing": fraction("share of each classifier target's weight spread evenly "
                                       "over all classes", high_open=True),
+    "dpo.beta": positive("DPO's reward scale: how far the policy may move from the reference"),
+    "dpo.label_smoothing": fraction("probability that a pair's preference is flipped (the "
+                                    "robust loss)", high_open=True),
     "train.eval_tasks_every": count("steps between runs of train.eval_tasks"),
     "train.eval_tasks_limit": count("examples per task of train.eval_tasks; 0 is all", low=0),
     "train.hang_timeout_s": Range(0.0, meaning="seconds without progress before a process "

@@ -35,7 +35,8 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
   spec = config_lib.resolve(config, devices)
   mesh, rules, model_cfg = spec.mesh, spec.rules, spec.model
   batches = data_lib.from_config(config, spec)
-  task = tasks.for_run(spec.task, config.train.get("label_smoothing", 0.0))
+  task = tasks.for_run(spec.task, config.train.get("label_smoothing", 0.0),
+                       dict(config.dpo) if spec.task == "dpo" else None)
   schedule_steps = config.optimizer.schedule_steps or config.train.steps
   optimizer = step_lib.make_optimizer(config.optimizer, schedule_steps)
   schedule = step_lib.learning_rate_schedule(config.optimizer, schedule_steps)
@@ -94,6 +95,9 @@ def work_per_step(config: ml_collections.ConfigDict, setup: Setup) -> tuple[int,
   if setup.task.name == "lm":
     tokens = config.data.global_batch_size * config.data.seq_len
     return tokens, model_cfg.flops_per_token(config.data.seq_len) * tokens
+  if setup.task.name == "dpo":  # two rows a pair; the reference adds a forward pass (1/3)
+    tokens = 2 * config.data.global_batch_size * config.data.seq_len
+    return tokens, model_cfg.flops_per_token(config.data.seq_len) * tokens * 4 / 3
   examples = config.data.global_batch_size
   return examples, model_cfg.flops_per_example() * examples
 
@@ -101,5 +105,7 @@ def work_per_step(config: ml_collections.ConfigDict, setup: Setup) -> tuple[int,
 def units_of(config: ml_collections.ConfigDict, setup: Setup) -> metrics_lib.Units:
   """How the run's losses are labelled: nats per token (per image for a classifier) and, for an
   LM, bits per byte on byte-level data, else bits per token."""
+  if setup.task.name == "dpo":
+    return metrics_lib.Units("per pair", None)
   token = data_lib.token_unit(config) if setup.task.name == "lm" else None
   return metrics_lib.Units.of(setup.task.unit, token)

@@ -13,6 +13,11 @@ its training loss as configured:
                   1 for a real example and 0 for padding; trained against label-smoothed
                   targets when `train.label_smoothing` > 0 (`for_run`), evaluated against the
                   labels themselves
+  dpo             direct preference optimization (toolkit/training/dpo.py, the `dpo` config
+                  section) of a LoRA model against its base; batch {"inputs", "targets"
+                  int32, "completion_weights" float32} (pairs, 2, length), side 0 chosen and
+                  side 1 rejected (toolkit/data/preference.py); evaluated as the held-out
+                  pairs' loss, preference accuracy and reward margin
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from models import lora
+from toolkit.training import dpo
 from toolkit.training.step import cross_entropy_loss, lm_loss
 
 Batch = dict[str, jax.Array]
@@ -113,14 +120,78 @@ def classification_summary(results: Sequence[dict]) -> dict:
 CLASSIFICATION = Task(name="classification", unit="img", loss=classification_loss,
                       evaluate=classification_eval, summarize=classification_summary)
 
-TASKS = {"lm": LM, "classification": CLASSIFICATION}
+# --- preference tuning (DPO) ------------------------------------------------------------------
+
+def completion_logps(graphdef: nnx.GraphDef, params, batch: Batch) -> tuple[jax.Array, jax.Array]:
+  """Each side's completion log-probability and token count, (pairs, 2) each, from a batch of
+  toolkit/data/preference.py's (pairs, 2, length) rows, both sides in one forward pass."""
+  pairs, sides, length = batch["inputs"].shape
+  rows = lambda x: x.reshape(pairs * sides, length)
+  logits = nnx.merge(graphdef, params)(rows(batch["inputs"]))
+  logps, tokens = dpo.completion_logps(logits, rows(batch["targets"]),
+                                       rows(batch["completion_weights"]))
+  return logps.reshape(pairs, sides), tokens.reshape(pairs, sides)
 
 
-def for_run(name: str, label_smoothing: float = 0.0) -> Task:
+def _policy_and_reference(graphdef: nnx.GraphDef, params, batch: Batch):
+  """(log-probabilities, token counts, the reference's log-probabilities), (pairs, 2) each.
+  The reference is the same weights with the LoRA adapters off (`lora.base_only`): no second
+  copy is held. No dropout on either side."""
+  with lora.no_dropout():
+    logps, tokens = completion_logps(graphdef, params, batch)
+  with lora.base_only():
+    reference, _ = completion_logps(graphdef, jax.lax.stop_gradient(params), batch)
+  return logps, tokens, reference
+
+
+def _objective(logps, tokens, reference, **settings):
+  return dpo.preference_loss(logps[:, 0], logps[:, 1], reference[:, 0], reference[:, 1],
+                             chosen_tokens=tokens[:, 0], rejected_tokens=tokens[:, 1],
+                             **settings)
+
+
+def preference_loss(graphdef: nnx.GraphDef, params, batch: Batch, *, beta: float, loss: str,
+                    label_smoothing: float) -> tuple[jax.Array, dict]:
+  """DPO's objective (toolkit/training/dpo.py) of the LoRA model against its own base."""
+  return _objective(*_policy_and_reference(graphdef, params, batch), beta=beta, loss=loss,
+                    label_smoothing=label_smoothing)
+
+
+def preference_eval(graphdef: nnx.GraphDef, params, batch: Batch, **settings) -> dict:
+  """Per-batch sums over the held-out pairs: the loss, the pairs the implicit rewards rank
+  right (trl's rewards/accuracies; 0 before training, when every reward is 0), the pairs whose
+  chosen completion the model itself finds likelier, and the reward margin."""
+  logps, tokens, reference = _policy_and_reference(graphdef, params, batch)
+  loss, metrics = _objective(logps, tokens, reference, **settings)
+  pairs = jnp.asarray(batch["inputs"].shape[0], jnp.float32)
+  return {"loss_sum": loss * pairs, "pairs": pairs,
+          "correct": metrics["preference_accuracy"] * pairs,
+          "chosen_likelier": jnp.sum((logps[:, 0] > logps[:, 1]).astype(jnp.float32)),
+          "margin_sum": metrics["reward_margin"] * pairs}
+
+
+def preference_summary(results: Sequence[dict]) -> dict:
+  total = lambda key: float(sum(float(r[key]) for r in results))
+  pairs = total("pairs")
+  return {"loss": total("loss_sum") / pairs, "preference_accuracy": total("correct") / pairs,
+          "choice_accuracy": total("chosen_likelier") / pairs,
+          "reward_margin": total("margin_sum") / pairs, "pairs": pairs}
+
+
+TASKS = {"lm": LM, "classification": CLASSIFICATION,
+         "dpo": Task(name="dpo", unit="tok", loss=preference_loss, evaluate=preference_eval,
+                     summarize=preference_summary)}
+
+
+def for_run(name: str, label_smoothing: float = 0.0, dpo_settings: dict | None = None) -> Task:
   """The task `name` with its training loss as configured; evaluation is never smoothed (the
-  held-out loss stays the plain cross-entropy)."""
+  held-out loss stays the plain cross-entropy). `dpo_settings`: the dpo section's beta, loss
+  and label_smoothing."""
   task = TASKS[name]
   if label_smoothing:
     task = dataclasses.replace(task, loss=functools.partial(classification_loss,
                                                             label_smoothing=label_smoothing))
+  if name == "dpo":
+    task = dataclasses.replace(task, loss=functools.partial(preference_loss, **dpo_settings),
+                               evaluate=functools.partial(preference_eval, **dpo_settings))
   return task

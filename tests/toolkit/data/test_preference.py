@@ -180,3 +180,19 @@ def test_parquet_rows_read_like_jsonl_lines(tmp_path):
   pq.write_table(pa.Table.from_pylist(records), tmp_path / "bad.parquet")
   with pytest.raises(ConfigError, match=r"bad.parquet row 2: .*states no preference"):
     preference.read_pairs(str(tmp_path / "bad.parquet"))
+
+
+def test_a_runs_pairs_from_its_data_section(tmp_path):
+  from experiments import dpo  # pylint: disable=g-import-not-at-top
+  records = [{"prompt": f"say {i}", "chosen": f"{i}", "rejected": f"{i + 1}"} for i in range(10)]
+  config = dpo.get_config("tiny")
+  config.data.update(path=_write(tmp_path, records), eval_fraction=0.2)
+  data = preference.PreferenceData.from_config(config.data)
+  assert (len(data.train), len(data.held_out)) == (8, 2)
+  assert "8 training" in data.notes[0] and "data.eval_fraction=0.2 of data.path" in data.notes[0]
+  config.data.eval_path = _write(tmp_path, records[:3], "held_out.jsonl")
+  data = preference.PreferenceData.from_config(config.data)
+  assert (len(data.train), len(data.held_out)) == (10, 3)
+  config.data.update(path=_write(tmp_path, records[:1], "one.jsonl"), eval_path="")
+  with pytest.raises(ConfigError, match=r"holds 1 preference pair\(s\): too few to hold out"):
+    preference.PreferenceData.from_config(config.data)

@@ -1,0 +1,103 @@
+"""Preference tuning as a training task (data.source="preference", toolkit/training/tasks.py):
+the reference is the base model without its adapters, bitwise; the step sharded and in
+micro-batches equals one device's; a stopped run resumes exactly; each setting it cannot run
+is one error naming its field."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from experiments import dpo as dpo_experiment
+from tests.tiny_runs import TOLERANCE, assert_trees_close, train_steps
+from toolkit import training
+from toolkit.errors import ConfigError
+from toolkit.training import config as config_lib, state as state_lib, tasks
+
+STEPS = 6
+
+
+def _config(ici: str = "fsdp:4,tensor:2", preset: str = "fsdp_tp", microbatches: int = 1):
+  config = dpo_experiment.get_config("tiny")
+  config.mesh.ici, config.sharding.preset = ici, preset
+  config.train.update(steps=STEPS, microbatches=microbatches)
+  config.optimizer.warmup_steps = 1  # the adapters move from the first steps
+  return config
+
+
+@pytest.fixture(scope="module")
+def sharded():
+  return train_steps(_config())
+
+
+def test_sharded_and_micro_batched_steps_equal_one_device(sharded):
+  losses, params, _ = sharded
+  assert losses[0] == pytest.approx(np.log(2), abs=1e-6)  # fresh adapters: h = 0 for each pair
+  one_losses, one_params, _ = train_steps(_config("data:1,fsdp:1,tensor:1", "fsdp"),
+                                          devices=jax.devices()[:1])
+  micro_losses, micro_params, _ = train_steps(_config(microbatches=2))
+  for other_losses, other_params in ((one_losses, one_params), (micro_losses, micro_params)):
+    np.testing.assert_allclose(other_losses, losses, **TOLERANCE)
+    assert_trees_close(other_params, params, **TOLERANCE)
+
+
+def _without_adapters(tree):
+  return {key: _without_adapters(value) if isinstance(value, dict) else value
+          for key, value in tree.items() if not key.startswith("lora_")}
+
+
+def test_the_reference_is_the_base_model_without_its_adapters_bitwise(sharded):
+  _, params, setup = sharded
+  batch = setup.batches.eval_batch(0)
+  logps, tokens, reference = jax.jit(tasks._policy_and_reference, static_argnums=0)(  # pylint: disable=protected-access
+      setup.layout.graphdef, params, batch)
+  base_cfg = dataclasses.replace(setup.spec.model, lora_rank=0)
+  base = state_lib.layout(base_cfg, optax.identity(), setup.spec.rules, setup.spec.mesh)
+  expected, _ = jax.jit(tasks.completion_logps, static_argnums=0)(
+      base.graphdef, _without_adapters(params), batch)
+  np.testing.assert_array_equal(np.asarray(reference), np.asarray(expected))
+  # The trained adapters moved the policy away from it; the counts are the completions'.
+  assert np.abs(np.asarray(logps) - np.asarray(reference)).max() > 1e-3
+  np.testing.assert_array_equal(tokens, np.asarray(batch["completion_weights"]).sum(-1))
+
+
+def _train_losses(workdir) -> dict[int, float]:
+  records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def test_a_stopped_run_resumes_exactly(tmp_path):
+  config = _config()
+  config.train.update(log_every=1, eval_every=STEPS, checkpoint_every=2)
+  config.optimizer.schedule_steps = STEPS
+  straight = training.run(config, str(tmp_path / "straight"))
+  config.train.steps = 4
+  training.run(config, str(tmp_path / "stopped"))
+  config.train.steps = STEPS
+  resumed = training.run(config, str(tmp_path / "stopped"))
+  assert _train_losses(tmp_path / "stopped") == _train_losses(tmp_path / "straight")
+  assert resumed.eval_metrics[STEPS] == straight.eval_metrics[STEPS]
+  assert set(straight.eval_metrics[STEPS]) >= {"loss", "preference_accuracy",
+                                                "choice_accuracy", "reward_margin"}
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("model.lora_rank", 0, "set model.lora_rank"),
+    ("model.lora_dropout", 0.1, "model.lora_dropout=0.1: preference tuning trains without"),
+    ("dpo.loss", "kto", "dpo.loss='kto' is unknown"),
+    ("dpo.beta", 0.0, "dpo.beta=0.0 must be"),
+    ("dpo.label_smoothing", 0.1, "dpo.label_smoothing=0.1 applies to loss='robust' only"),
+    ("mesh.ici", "fsdp:4,sequence:2", "mesh.ici has sequence=2"),
+    ("data.path", "", "data.source='preference' needs data.path"),
+])
+def test_a_setting_it_cannot_run_is_one_error_naming_the_field(field, value, words):
+  config = _config()
+  section, name = field.split(".")
+  config[section][name] = value
+  with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
+    config_lib.resolve(config)
