@@ -90,15 +90,19 @@ def parse_arg(arg: str | None, experiment: str, variants: tuple[str, ...],
               keys: tuple[str, ...]) -> tuple[str, dict[str, str]]:
   """(the variant, {key: value}) of a comma-separated `get_config` argument whose items are
   one of `variants` or key=value with one of `keys` (the first variant when none is named);
-  ValueError naming `experiment` for any other item."""
+  ValueError naming `experiment` for any other item, or for two variants."""
   items = [item for item in (arg or variants[0]).split(",") if item]
   for item in items:
     key, sep, _ = item.partition("=")
     if (sep and key not in keys) or (not sep and key not in variants):
       raise ValueError(f"{experiment}: unknown variant {item!r}; choose from "
                        f"{', '.join(variants)} or key=value with keys {', '.join(keys)}")
+  named = [item for item in items if "=" not in item]
+  if len(named) > 1:
+    raise ValueError(f"{experiment}: {arg!r} names {len(named)} variants "
+                     f"({', '.join(named)}); choose one")
   keyed = dict(item.partition("=")[::2] for item in items if "=" in item)
-  return next((item for item in items if "=" not in item), variants[0]), keyed
+  return (named or variants[:1])[0], keyed
 
 
 def set_model(config, preset: str) -> None:

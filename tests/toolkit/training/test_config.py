@@ -5,12 +5,13 @@ model.attention kernels that cannot run on the config's devices or lengths, refu
 import copy
 import dataclasses
 import math
+import re
 
 import jax
 import ml_collections
 import pytest
 
-from experiments import lm, moe, sft, vit
+from experiments import dpo, lm, moe, sft, vit
 from models import LlamaConfig
 from tests import extras
 from toolkit.errors import ConfigError
@@ -28,7 +29,20 @@ CONFIGS = {
        for arg in ("cpu", "tiny", "size=8x7b", "dispatch=capacity", "every=2")},
     **{f"sft:{arg}": (lambda arg=arg: sft.get_config(arg))
        for arg in ("cpu", "tiny", "1b", "task=add,packing=on")},
+    **{f"dpo:{arg}": (lambda arg=arg: dpo.get_config(arg))
+       for arg in ("cpu", "tiny", "task=add")},
 }
+
+
+@pytest.mark.parametrize("experiment,arg,words", [
+    (moe, "cpu,tiny", "experiments/moe.py: 'cpu,tiny' names 2 variants (cpu, tiny); choose one"),
+    (sft, "tiny,cpu", "names 2 variants"), (dpo, "cpu,tiny", "names 2 variants"),
+    (dpo, "nosuch", "experiments/dpo.py: unknown variant 'nosuch'"),
+    (dpo, "lora=16", "unknown variant 'lora=16'; choose from cpu, tiny or key=value with keys "
+                     "base, task")])
+def test_an_experiment_argument_names_one_variant_and_known_keys(experiment, arg, words):
+  with pytest.raises(ValueError, match=re.escape(words)):
+    experiment.get_config(arg)
 
 
 def _set(config, path: str, value) -> None:
