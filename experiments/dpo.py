@@ -25,7 +25,9 @@ Variants after the colon, comma separated:
   task=NAME    the synthetic task: repeat (default), upper, reverse or add; or your files:
                --config.data.path=train.jsonl --config.data.eval_path=held_out.jsonl
 Single fields: --config.dpo.beta=0.5, --config.dpo.loss=ipo, --config.dpo.loss=robust
---config.dpo.label_smoothing=0.1, ...
+--config.dpo.label_smoothing=0.1, ...; every weight instead of adapters: --config.model.lora_rank=0
+(the reference then is the starting weights' log-probabilities, precomputed before step 1:
+dpo.reference; a smaller learning rate, e.g. --config.optimizer.learning_rate=3e-4)
 """
 from experiments import lm, sft
 from toolkit.training.config import defaults

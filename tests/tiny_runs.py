@@ -11,7 +11,7 @@ import numpy as np
 from experiments import lm
 from tests import preloaded
 from toolkit import training
-from toolkit.training import checkpoint, state as state_lib, step as step_lib
+from toolkit.training import checkpoint, dpo_reference, state as state_lib, step as step_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,6 +35,7 @@ def train_steps(config, devices=None, steps: int | None = None):
   """Trains `steps` steps from scratch; returns (losses, host params, setup)."""
   setup = training.build(config, devices)
   state = state_lib.create(setup.spec.model, setup.optimizer, setup.layout, config.seed)
+  dpo_reference.prepare(setup, state["params"], workdir=None)  # DPO's, when precomputed
   train_step, _ = step_lib.compile_step(setup.step, setup.layout, setup.batches.abstract(),
                                         setup.spec.mesh)
   losses = []

@@ -21,6 +21,15 @@ import difflib
 GiB = 2**30
 
 
+def human_bytes(n: float) -> str:
+  """`n` bytes as B, KiB, MiB or GiB (two decimals past B)."""
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  raise AssertionError
+
+
 @dataclasses.dataclass(frozen=True)
 class Generation:
   """Per-chip constants of one TPU generation and the conventions of its names.

@@ -121,6 +121,10 @@ def read_text(name: str) -> str:
   return _remote(lambda: path(name).read_text(), name)
 
 
+def read_bytes(name: str) -> bytes:
+  return _remote(lambda: path(name).read_bytes(), name)
+
+
 def write_text(name: str, text: str) -> None:
   """Writes the whole file at once: on gs:// one upload (atomic); on a local disk a temporary
   file renamed over `name`, so a reader never sees half of it."""

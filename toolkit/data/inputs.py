@@ -90,9 +90,11 @@ def _preference_batches(config, spec):
   data.check_vocab(spec.model.vocab_size)
   batch_sharding = NamedSharding(spec.mesh, spec.rules.activation_spec(("batch", None, None),
                                                                        spec.mesh))
+  precomputed = preference.reference_precomputed(config.dpo.get("reference", "auto"),
+                                                 spec.model.lora_rank)
   return preference.PreferenceBatches(data.train, data.held_out, config.seed,
                                       d.global_batch_size, d.eval_batches, batch_sharding,
-                                      notes=data.notes)
+                                      notes=data.notes, precomputed_reference=precomputed)
 
 
 def token_unit(config) -> str:

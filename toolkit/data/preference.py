@@ -28,6 +28,12 @@ batch keeps its pairs whole on the leading axis, so however it is split over dev
 micro-batches, both sides of a pair stay together. `PreferenceBatches` serves them: batch `s`
 is a pure function of (seed, s), each epoch a new permutation of the pairs; the held-out
 batches are the held-out pairs in order.
+
+Reference. With `dpo.reference="precomputed"` (`reference_precomputed`) each batch also holds
+"reference_logps" (pairs, 2) float32: each side's completion log-probability under the starting
+weights, computed once before the first step (toolkit/training/dpo_reference.py) and attached
+with `attach_reference`, so the step needs neither a second copy of the weights nor a second
+forward pass.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ import json
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from toolkit.data import chat, instruct, text
 from toolkit.data.chat_template import ChatTokenizer
@@ -45,6 +51,15 @@ from toolkit.errors import ConfigError
 
 Messages = list[dict]
 KEYS = ("inputs", "targets", "completion_weights")
+REFERENCE = "reference_logps"  # (pairs, 2) float32, with dpo.reference="precomputed"
+REFERENCES = ("auto", "base", "precomputed")
+
+
+def reference_precomputed(reference: str, lora_rank: int) -> bool:
+  """Whether DPO's reference log-probabilities are precomputed (`REFERENCES`): "precomputed",
+  or "auto" without LoRA adapters; "base" (and "auto" with adapters) is the adapters' base
+  model, run beside the policy in each step."""
+  return reference == "precomputed" or (reference == "auto" and not lora_rank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +226,8 @@ class PreferenceBatches:
   split over the mesh's batch axes by the leading (pair) axis."""
 
   def __init__(self, train: Pairs, held_out: Pairs, seed: int, pairs_per_batch: int,
-               eval_batches: int, sharding: NamedSharding, notes: tuple[str, ...] = ()):
+               eval_batches: int, sharding: NamedSharding, notes: tuple[str, ...] = (),
+               precomputed_reference: bool = False):
     if len(held_out) < pairs_per_batch:
       raise ConfigError(f"{held_out.name} holds {len(held_out)} pair(s), fewer than one batch "
                         f"of {pairs_per_batch}; give more held-out pairs or a smaller "
@@ -221,6 +237,29 @@ class PreferenceBatches:
     self.eval_batches = min(eval_batches, len(held_out) // pairs_per_batch)
     self.shape = (pairs_per_batch, 2, train.arrays["inputs"].shape[-1])
     self.rows = local_rows(sharding, self.shape)
+    self.precomputed_reference = precomputed_reference
+    self.reference: dict[str, np.ndarray] | None = None  # "train", "held_out": (pairs, 2)
+    spec = tuple(sharding.spec) + (None,) * 3
+    self.reference_sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec[:2]))
+
+  def attach_reference(self, train: np.ndarray, held_out: np.ndarray) -> None:
+    """The starting weights' log-probabilities of each split's pairs, (pairs, 2) each."""
+    for name, pairs, logps in (("train", self.train, train), ("held_out", self.held_out,
+                                                               held_out)):
+      if logps.shape != (len(pairs), 2):
+        raise ValueError(f"{name} reference log-probabilities are {logps.shape}, not "
+                         f"({len(pairs)}, 2)")
+    self.reference = {"train": np.asarray(train, np.float32),
+                      "held_out": np.asarray(held_out, np.float32)}
+
+  def _rows(self, split: str, picked: np.ndarray) -> dict[str, np.ndarray]:
+    pairs = self.train if split == "train" else self.held_out
+    rows = {key: pairs.arrays[key][picked] for key in KEYS}
+    if self.precomputed_reference:
+      if self.reference is None:
+        raise RuntimeError("dpo.reference='precomputed': attach_reference before the batches")
+      rows[REFERENCE] = self.reference[split][picked]
+    return rows
 
   def indices(self, step: int) -> np.ndarray:
     """The training pairs of batch `step`: positions step x P ... of the epochs' permutations."""
@@ -233,13 +272,17 @@ class PreferenceBatches:
 
   def host_batch(self, step: int) -> dict[str, np.ndarray]:
     """This process's pairs of batch `step`, on the host."""
-    picked = self.indices(step)[self.rows]
-    return {key: self.train.arrays[key][picked] for key in KEYS}
+    return self._rows("train", self.indices(step)[self.rows])
 
   def place(self, rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    make = lambda x: jax.make_array_from_process_local_data(self.sharding, x, self.shape)
+    """This process's `rows` of a batch as global arrays (KEYS, and REFERENCE if given)."""
+    def make(key, x):
+      if key == REFERENCE:
+        return jax.make_array_from_process_local_data(self.reference_sharding, x,
+                                                      self.shape[:2])
+      return jax.make_array_from_process_local_data(self.sharding, x, self.shape)
     with jax.transfer_guard_host_to_device("allow"):  # a deliberate transfer (text.Batches)
-      return {key: make(value) for key, value in rows.items()}
+      return {key: make(key, value) for key, value in rows.items()}
 
   def batch(self, step: int) -> dict[str, jax.Array]:
     return self.place(self.host_batch(step))
@@ -247,7 +290,7 @@ class PreferenceBatches:
   def eval_batch(self, index: int) -> dict[str, jax.Array]:
     """Held-out batch `index`: pairs index x P ... in order, the same at every evaluation."""
     picked = (index * self.pairs_per_batch + np.arange(self.pairs_per_batch))[self.rows]
-    return self.place({key: self.held_out.arrays[key][picked] for key in KEYS})
+    return self.place(self._rows("held_out", picked))
 
   def iterator(self, start_step: int, position: Position | None = None,
                prefetch: int = 2) -> BatchIterator:
@@ -257,8 +300,12 @@ class PreferenceBatches:
     return step_iterator(self.host_batch, self.place, start_step, prefetch)
 
   def abstract(self) -> dict[str, jax.ShapeDtypeStruct]:
-    return {key: jax.ShapeDtypeStruct(self.shape, np.float32 if key == KEYS[2] else np.int32,
-                                      sharding=self.sharding) for key in KEYS}
+    abstract = {key: jax.ShapeDtypeStruct(self.shape, np.float32 if key == KEYS[2] else np.int32,
+                                          sharding=self.sharding) for key in KEYS}
+    if self.precomputed_reference:
+      abstract[REFERENCE] = jax.ShapeDtypeStruct(self.shape[:2], np.float32,
+                                                 sharding=self.reference_sharding)
+    return abstract
 
   def describe(self) -> str:
     share = lambda p: p.arrays["completion_weights"].sum() / max(p.arrays["inputs"].size, 1)

@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import sharding
 from models import LlamaConfig, paged, quantization
 from models.llama import init_paged_cache
+from toolkit.accelerators import human_bytes
 from toolkit.inference import sampling
 from toolkit.inference.sampling import RequestError, SamplingParams
 # The scheduler's names, where callers have always found them.
@@ -293,10 +294,4 @@ def _map_paths(fn, tree: dict, prefix: str = "") -> dict:
           else fn(f"{prefix}{key}", value) for key, value in tree.items()}
 
 
-def human_bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if n < 1024 or unit == "GiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-    n /= 1024
-  raise AssertionError
 

@@ -96,8 +96,13 @@ def defaults() -> ml_collections.ConfigDict:
   c.runtime = ml_collections.ConfigDict(dict(xla_flags="auto"))
   # Preference tuning (data.source="preference": toolkit/training/dpo.py, tasks.py): the
   # reward scale beta, the loss (sigmoid, hinge, ipo, robust) and, for robust, the
-  # probability that a pair's labels are flipped.
-  c.dpo = ml_collections.ConfigDict(dict(beta=0.1, loss="sigmoid", label_smoothing=0.0))
+  # probability that a pair's labels are flipped. reference: where the reference model's
+  # log-probabilities come from: "base" (a LoRA model's base: the adapters off, a forward pass
+  # a step), "precomputed" (the starting weights, one pass over the pairs before the first
+  # step, toolkit/training/dpo_reference.py: any model, LoRA or not) or "auto" (base with
+  # LoRA adapters, else precomputed).
+  c.dpo = ml_collections.ConfigDict(dict(beta=0.1, loss="sigmoid", label_smoothing=0.0,
+                                         reference="auto"))
   return c
 
 
@@ -235,18 +240,24 @@ def _mesh(section: ml_collections.ConfigDict, devices: Sequence[jax.Device] | No
 
 
 def _check_preference(config: ml_collections.ConfigDict, model, mesh: Mesh) -> None:
-  """Preference tuning (task dpo): the objective's settings, and what it is built for so far:
-  LoRA adapters (the reference is their base), no dropout, whole rows on each device."""
+  """Preference tuning (task dpo): the objective's settings, a reference the model has (the
+  base needs LoRA adapters), no dropout, whole rows on each device."""
+  from toolkit.data import preference  # pylint: disable=g-import-not-at-top
   from toolkit.training import dpo  # pylint: disable=g-import-not-at-top
   settings = config.get("dpo", defaults().dpo)
   try:
     dpo.check(settings.beta, settings.loss, settings.label_smoothing)
   except ValueError as e:
     raise ConfigError(f"dpo.{e}") from None
-  if not model.lora_rank:
-    raise ConfigError("data.source='preference' trains LoRA adapters against their frozen base "
-                      "(the reference model); set model.lora_rank (e.g. 16): a full fine-tune "
-                      "against a frozen copy is not built yet")
+  reference = settings.get("reference", "auto")
+  if reference not in preference.REFERENCES:
+    raise ConfigError(f"dpo.reference={reference!r} is unknown; choose one of "
+                      f"{', '.join(preference.REFERENCES)}")
+  if reference == "base" and not model.lora_rank:
+    raise ConfigError("dpo.reference='base' is a LoRA model's base (its adapters off), and "
+                      "model.lora_rank is 0; set model.lora_rank (e.g. 16) or "
+                      "dpo.reference='precomputed' (the starting weights' log-probabilities, "
+                      "one pass before the first step)")
   if model.lora_dropout:
     raise ConfigError(f"model.lora_dropout={model.lora_dropout}: preference tuning trains "
                       f"without dropout (as trl's DPOTrainer does by default); set it to 0")

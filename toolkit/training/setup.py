@@ -95,9 +95,11 @@ def work_per_step(config: ml_collections.ConfigDict, setup: Setup) -> tuple[int,
   if setup.task.name == "lm":
     tokens = config.data.global_batch_size * config.data.seq_len
     return tokens, model_cfg.flops_per_token(config.data.seq_len) * tokens
-  if setup.task.name == "dpo":  # two rows a pair; the reference adds a forward pass (1/3)
+  if setup.task.name == "dpo":  # two rows a pair; the base as reference adds a forward pass
     tokens = 2 * config.data.global_batch_size * config.data.seq_len
-    return tokens, model_cfg.flops_per_token(config.data.seq_len) * tokens * 4 / 3
+    base = not getattr(setup.batches, "precomputed_reference", False)
+    return tokens, model_cfg.flops_per_token(config.data.seq_len) * tokens * (4 / 3 if base
+                                                                             else 1)
   examples = config.data.global_batch_size
   return examples, model_cfg.flops_per_example() * examples
 

@@ -33,6 +33,7 @@ import optax
 from flax import nnx
 
 from models import lora
+from toolkit.data import preference
 from toolkit.training import dpo
 from toolkit.training.step import cross_entropy_loss, lm_loss
 
@@ -135,10 +136,13 @@ def completion_logps(graphdef: nnx.GraphDef, params, batch: Batch) -> tuple[jax.
 
 def _policy_and_reference(graphdef: nnx.GraphDef, params, batch: Batch):
   """(log-probabilities, token counts, the reference's log-probabilities), (pairs, 2) each.
-  The reference is the same weights with the LoRA adapters off (`lora.base_only`): no second
-  copy is held. No dropout on either side."""
+  The reference is the batch's precomputed log-probabilities of the starting weights
+  (preference.REFERENCE, dpo.reference="precomputed"), else the same weights with the LoRA
+  adapters off (`lora.base_only`): no second copy is held either way. No dropout."""
   with lora.no_dropout():
     logps, tokens = completion_logps(graphdef, params, batch)
+  if preference.REFERENCE in batch:
+    return logps, tokens, batch[preference.REFERENCE]
   with lora.base_only():
     reference, _ = completion_logps(graphdef, jax.lax.stop_gradient(params), batch)
   return logps, tokens, reference
@@ -185,13 +189,14 @@ TASKS = {"lm": LM, "classification": CLASSIFICATION,
 
 def for_run(name: str, label_smoothing: float = 0.0, dpo_settings: dict | None = None) -> Task:
   """The task `name` with its training loss as configured; evaluation is never smoothed (the
-  held-out loss stays the plain cross-entropy). `dpo_settings`: the dpo section's beta, loss
-  and label_smoothing."""
+  held-out loss stays the plain cross-entropy). `dpo_settings`: the dpo section (its beta, loss
+  and label_smoothing are the objective's; its reference is the data's)."""
   task = TASKS[name]
   if label_smoothing:
     task = dataclasses.replace(task, loss=functools.partial(classification_loss,
                                                             label_smoothing=label_smoothing))
   if name == "dpo":
+    dpo_settings = {key: dpo_settings[key] for key in ("beta", "loss", "label_smoothing")}
     task = dataclasses.replace(task, loss=functools.partial(preference_loss, **dpo_settings),
                                evaluate=functools.partial(preference_eval, **dpo_settings))
   return task

@@ -1,7 +1,9 @@
 """Preference tuning as a training task (data.source="preference", toolkit/training/tasks.py):
-the reference is the base model without its adapters, bitwise; the step sharded and in
-micro-batches equals one device's; a stopped run resumes exactly; each setting it cannot run
-is one error naming its field."""
+the reference is the base model without its adapters, bitwise, or the starting weights'
+precomputed log-probabilities (a LoRA run trains the same with either; a full fine-tune needs
+the second); the step sharded and in micro-batches equals one device's; a stopped run resumes
+exactly (the reference read back); each setting it cannot run is one error naming its
+field."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,15 +19,17 @@ from experiments import dpo as dpo_experiment
 from tests.tiny_runs import TOLERANCE, assert_trees_close, train_steps
 from toolkit import training
 from toolkit.errors import ConfigError
-from toolkit.training import config as config_lib, state as state_lib, tasks
+from toolkit.training import config as config_lib, dpo_reference, state as state_lib, tasks
 
 STEPS = 6
 
 
-def _config(ici: str = "fsdp:4,tensor:2", preset: str = "fsdp_tp", microbatches: int = 1):
+def _config(ici: str = "fsdp:4,tensor:2", preset: str = "fsdp_tp", microbatches: int = 1,
+            reference: str = "auto", lora_rank: int = dpo_experiment.LORA_RANK):
   config = dpo_experiment.get_config("tiny")
   config.mesh.ici, config.sharding.preset = ici, preset
   config.train.update(steps=STEPS, microbatches=microbatches)
+  config.dpo.reference, config.model.lora_rank = reference, lora_rank
   config.optimizer.warmup_steps = 1  # the adapters move from the first steps
   return config
 
@@ -71,23 +75,8 @@ def _train_losses(workdir) -> dict[int, float]:
   return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
-def test_a_stopped_run_resumes_exactly(tmp_path):
-  config = _config()
-  config.train.update(log_every=1, eval_every=STEPS, checkpoint_every=2)
-  config.optimizer.schedule_steps = STEPS
-  straight = training.run(config, str(tmp_path / "straight"))
-  config.train.steps = 4
-  training.run(config, str(tmp_path / "stopped"))
-  config.train.steps = STEPS
-  resumed = training.run(config, str(tmp_path / "stopped"))
-  assert _train_losses(tmp_path / "stopped") == _train_losses(tmp_path / "straight")
-  assert resumed.eval_metrics[STEPS] == straight.eval_metrics[STEPS]
-  assert set(straight.eval_metrics[STEPS]) >= {"loss", "preference_accuracy",
-                                                "choice_accuracy", "reward_margin"}
-
-
 @pytest.mark.parametrize("field,value,words", [
-    ("model.lora_rank", 0, "set model.lora_rank"),
+    ("dpo.reference", "frozen", "dpo.reference='frozen' is unknown"),
     ("model.lora_dropout", 0.1, "model.lora_dropout=0.1: preference tuning trains without"),
     ("dpo.loss", "kto", "dpo.loss='kto' is unknown"),
     ("dpo.beta", 0.0, "dpo.beta=0.0 must be"),
@@ -101,3 +90,72 @@ def test_a_setting_it_cannot_run_is_one_error_naming_the_field(field, value, wor
   config[section][name] = value
   with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
     config_lib.resolve(config)
+
+
+def test_the_base_as_reference_needs_adapters():
+  with pytest.raises(ConfigError, match="dpo.reference='base' is a LoRA model's base .* or "
+                                        "dpo.reference='precomputed'"):
+    config_lib.resolve(_config(reference="base", lora_rank=0))
+
+
+# --- the reference precomputed from the starting weights (toolkit/training/dpo_reference.py) ---
+
+def test_a_precomputed_reference_trains_a_lora_model_as_its_base_does(sharded):
+  """The two references of a LoRA run (its base in each step; the starting weights once, the
+  adapters' B = 0 then) agree, so the runs do."""
+  losses, params, _ = sharded
+  pre_losses, pre_params, setup = train_steps(_config(reference="precomputed"))
+  assert setup.batches.precomputed_reference
+  np.testing.assert_allclose(pre_losses, losses, **TOLERANCE)
+  assert_trees_close(pre_params, params, **TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def full():
+  """A full fine-tune (no adapters): dpo.reference "auto" precomputes."""
+  return train_steps(_config(lora_rank=0))
+
+
+def test_a_full_fine_tune_sharded_equals_one_device(full):
+  losses, params, setup = full
+  assert setup.batches.precomputed_reference and setup.spec.model.lora_rank == 0
+  assert losses[0] == pytest.approx(np.log(2), abs=1e-5)  # the policy is the reference
+  assert losses[-1] < losses[0] - 1e-3
+  one_losses, one_params, _ = train_steps(_config("data:1,fsdp:1,tensor:1", "fsdp", lora_rank=0),
+                                          devices=jax.devices()[:1])
+  np.testing.assert_allclose(one_losses, losses, **TOLERANCE)
+  assert_trees_close(one_params, params, **TOLERANCE)
+
+
+def test_the_precomputed_reference_is_the_starting_weights_per_side(full):
+  """Each pair's reference equals the starting model's completion log-probabilities of that
+  pair alone (one pair a batch is another program: a tolerance, not bits)."""
+  _, _, setup = full
+  start = state_lib.create(setup.spec.model, setup.optimizer, setup.layout, 0)["params"]
+  arrays = setup.batches.held_out.arrays
+  one = jax.jit(tasks.completion_logps, static_argnums=0)
+  for i in (0, len(setup.batches.held_out) - 1):
+    batch = {key: arrays[key][i:i + 1] for key in arrays}
+    logps, _ = one(setup.layout.graphdef, start, batch)
+    np.testing.assert_allclose(setup.batches.reference["held_out"][i], np.asarray(logps)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_full_fine_tune_resumes_exactly_and_needs_its_reference_file(tmp_path):
+  config = _config(lora_rank=0)
+  config.train.update(log_every=1, eval_every=STEPS, checkpoint_every=2)
+  config.optimizer.schedule_steps = STEPS
+  straight = training.run(config, str(tmp_path / "straight"))
+  config.train.steps = 4
+  training.run(config, str(tmp_path / "stopped"))
+  config.train.steps = STEPS
+  resumed = training.run(config, str(tmp_path / "stopped"))
+  assert _train_losses(tmp_path / "stopped") == _train_losses(tmp_path / "straight")
+  assert resumed.eval_metrics[STEPS] == straight.eval_metrics[STEPS]
+  assert set(straight.eval_metrics[STEPS]) >= {"loss", "preference_accuracy",
+                                                "choice_accuracy", "reward_margin"}
+  # Without the file the restored weights cannot stand in for the starting ones.
+  os.remove(tmp_path / "stopped" / dpo_reference.FILE)
+  config.train.steps = STEPS + 2
+  with pytest.raises(ConfigError, match="dpo_reference.npz is missing: .* new --workdir"):
+    training.run(config, str(tmp_path / "stopped"))
