@@ -22,6 +22,7 @@ from models import LlamaConfig
 from toolkit.inference import engine as engine_lib
 from toolkit.inference.sampling import SamplingParams
 from toolkit.inference.scheduler import Result, generate
+from toolkit.training import grpo, tasks
 
 
 def completion_seed(seed: int, step: int, prompt: int, generation: int) -> int:
@@ -75,3 +76,27 @@ class Rollouts:
     """Completion tokens in `groups`: what rollout throughput counts."""
     return sum(len(r.tokens) for group in groups for r in group.results)
 
+
+
+def batch_of(groups: Sequence[Group], rewards: np.ndarray, seq_len: int, scale: str, loss: str,
+             stop_token: int | None = None) -> dict[str, np.ndarray]:
+  """The GRPO step's batch (toolkit/training/tasks.py `grpo_loss`) from the groups and their
+  (prompts, G) rewards: a row per completion, prompt-major, the prompt then the completion (and
+  `stop_token` after a completion that stopped on it, so the model learns to stop) cut to
+  `seq_len` + 1 tokens; the completion mask on the targets that are completion tokens; each
+  row's group advantage (`grpo.group_advantages` with `scale`)."""
+  rows = [np.concatenate([g.prompt, r.tokens, [stop_token] if stop_token is not None
+                          and r.finish_reason == "stop" else []]).astype(np.int32)
+          for g in groups for r in g.results]
+  starts = [len(g.prompt) for g in groups for _ in g.results]
+  inputs = np.zeros((len(rows), seq_len), np.int32)
+  targets = np.zeros((len(rows), seq_len), np.int32)
+  weights = np.zeros((len(rows), seq_len), np.float32)
+  for i, (row, start) in enumerate(zip(rows, starts)):
+    row = row[:seq_len + 1]
+    inputs[i, :len(row) - 1], targets[i, :len(row) - 1] = row[:-1], row[1:]
+    weights[i, start - 1:len(row) - 1] = 1.0  # target t is token t + 1: completion from start
+  advantages = np.asarray(grpo.group_advantages(np.asarray(rewards, np.float32), scale))
+  mask = "loss_weights" if loss in tasks.GRPO_TOKEN_MEAN else "completion_weights"
+  return {"inputs": inputs, "targets": targets, mask: weights,
+          "advantages": advantages.reshape(-1).astype(np.float32)}

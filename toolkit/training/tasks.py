@@ -34,7 +34,7 @@ from flax import nnx
 
 from models import lora
 from toolkit.data import preference
-from toolkit.training import dpo
+from toolkit.training import dpo, grpo
 from toolkit.training.step import cross_entropy_loss, lm_loss
 
 Batch = dict[str, jax.Array]
@@ -180,6 +180,47 @@ def preference_summary(results: Sequence[dict]) -> dict:
   return {"loss": total("loss_sum") / pairs, "preference_accuracy": total("correct") / pairs,
           "choice_accuracy": total("chosen_likelier") / pairs,
           "reward_margin": total("margin_sum") / pairs, "pairs": pairs}
+
+
+# --- reinforcement learning (GRPO) on fixed rollouts ------------------------------------------
+
+# The batch entries of a GRPO step (toolkit/post_training/rollouts.py `batch_of`): each row one
+# completion after its prompt, (rows, length) "inputs" and "targets" int32 and the completion
+# mask, named "loss_weights" when the loss is a mean over the batch's completion tokens (bnpo,
+# dapo: micro-batches are then combined by their tokens, step.weighted_loss_and_grads) and
+# "completion_weights" otherwise; "advantages" (rows,) float32.
+GRPO_TOKEN_MEAN = ("bnpo", "dapo")
+
+
+def grpo_loss(graphdef: nnx.GraphDef, params, batch: Batch, *, beta: float, epsilon: float,
+              epsilon_high: float, loss: str) -> tuple[jax.Array, dict]:
+  """GRPO's clipped policy loss (toolkit/training/grpo.py) of one gradient step per rollout:
+  the sampling model is the one being trained, so each ratio is 1 in value and carries the
+  gradient; with `beta` > 0 the KL penalty is to the reference, a LoRA model's base. No
+  dropout."""
+  weights = batch["loss_weights" if loss in GRPO_TOKEN_MEAN else "completion_weights"]
+  with lora.no_dropout():
+    logps = token_logps(graphdef, params, batch)
+  reference = logps
+  if beta:
+    if not _has_adapters(params):
+      raise ValueError(f"beta={beta}: the KL penalty's reference is a LoRA model's base, and "
+                       f"this model has no adapters; set beta=0 or model.lora_rank")
+    with lora.base_only():
+      reference = token_logps(graphdef, jax.lax.stop_gradient(params), batch)
+  return grpo.policy_loss(logps, jax.lax.stop_gradient(logps), jax.lax.stop_gradient(reference),
+                          batch["advantages"], weights, beta=beta, epsilon=epsilon,
+                          epsilon_high=epsilon_high, loss=loss)
+
+
+def _has_adapters(params) -> bool:
+  paths = jax.tree_util.tree_flatten_with_path(params)[0]
+  return any("lora_" in jax.tree_util.keystr(path) for path, _ in paths)
+
+
+def token_logps(graphdef: nnx.GraphDef, params, batch: Batch) -> jax.Array:
+  """(rows, length): each position's log-probability of its target under the model."""
+  return grpo.token_logps(nnx.merge(graphdef, params)(batch["inputs"]), batch["targets"])
 
 
 TASKS = {"lm": LM, "classification": CLASSIFICATION,
