@@ -44,14 +44,14 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from toolkit.data import chat, instruct, text
+from toolkit.data import chat, instruct, keys, text
 from toolkit.data.chat_template import ChatTokenizer
 from toolkit.data.feed import BatchIterator, Position, local_rows, step_iterator
 from toolkit.errors import ConfigError
 
 Messages = list[dict]
 KEYS = ("inputs", "targets", "completion_weights")
-REFERENCE = "reference_logps"  # (pairs, 2) float32, with dpo.reference="precomputed"
+REFERENCE = keys.REFERENCE_LOGPS  # (pairs, 2) float32, with dpo.reference="precomputed"
 REFERENCES = ("auto", "base", "precomputed")
 
 

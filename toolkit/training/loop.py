@@ -18,8 +18,7 @@ import numpy as np
 
 from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
-from toolkit.training import checkpoint, dpo_reference, goodput as goodput_lib
-from toolkit.training import init_from, integrity
+from toolkit.training import checkpoint, goodput as goodput_lib, init_from, integrity
 from toolkit.training import metrics as metrics_lib, profiler as profiler_lib
 from toolkit.training import programs as programs_lib, resume
 from toolkit.training import state as state_lib, step as step_lib, storage, stragglers, tasks
@@ -92,7 +91,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
     state, data_position = resume.restore_or_init(config, setup, checkpoints, log, hf_folder,
                                                   programs)
     start_step = int(jax.device_get(state["step"]))
-    if start_step < config.train.steps:
+    if start_step < config.train.steps and getattr(setup.batches, "precomputed_reference",
+                                                   False):
+      from toolkit.training import dpo_reference  # pylint: disable=g-import-not-at-top  # Grain
       dpo_reference.prepare(setup, state["params"], workdir, resuming, log)
   result = RunResult(final_step=start_step, train_losses={}, eval_losses={},
                      stopped_early=False, start_step=start_step)

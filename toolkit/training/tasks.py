@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 
 from models import lora
-from toolkit.data import preference
+from toolkit.data import keys
 from toolkit.training import dpo, grpo
 from toolkit.training.step import cross_entropy_loss, lm_loss
 
@@ -137,12 +137,12 @@ def completion_logps(graphdef: nnx.GraphDef, params, batch: Batch) -> tuple[jax.
 def _policy_and_reference(graphdef: nnx.GraphDef, params, batch: Batch):
   """(log-probabilities, token counts, the reference's log-probabilities), (pairs, 2) each.
   The reference is the batch's precomputed log-probabilities of the starting weights
-  (preference.REFERENCE, dpo.reference="precomputed"), else the same weights with the LoRA
+  (keys.REFERENCE_LOGPS, dpo.reference="precomputed"), else the same weights with the LoRA
   adapters off (`lora.base_only`): no second copy is held either way. No dropout."""
   with lora.no_dropout():
     logps, tokens = completion_logps(graphdef, params, batch)
-  if preference.REFERENCE in batch:
-    return logps, tokens, batch[preference.REFERENCE]
+  if keys.REFERENCE_LOGPS in batch:
+    return logps, tokens, batch[keys.REFERENCE_LOGPS]
   with lora.base_only():
     reference, _ = completion_logps(graphdef, jax.lax.stop_gradient(params), batch)
   return logps, tokens, reference
