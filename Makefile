@@ -41,7 +41,7 @@ test: $(VENV)/.installed-test
 # The tests marked slow: the long runs behind the documented results (the demo's loss, the ViT
 # recipe on three seeds, the sweep's trials) and the longer process tests. .ci/run runs
 # `make test` and then this. Two processes again, a module per process but for the documented
-# results, whose long runs spread over both (tests/conftest.py).
+# results and commands, whose long parts spread over both (tests/conftest.py).
 test-slow: $(VENV)/.installed-test
 	@start=$$(date +%s); status=0; \
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope -m slow --durations=15 \

@@ -1,6 +1,7 @@
 """Eight simulated CPU devices for every test, set before JAX is imported, and one cache
 folder of the session's own."""
 import atexit
+import functools
 import os
 import shutil
 import tempfile
@@ -76,22 +77,30 @@ def gcs_bucket(gcs_server):
 
 
 # --- the suite in two processes (Makefile: pytest-xdist, --dist loadscope) --------------------
-# A module is one unit of work, as xdist's loadscope makes it: its tests share its fixtures, and
-# test_doc_commands.py's commands run in order in one workspace. The documented results'
-# module is the exception: each of its long runs is a unit of its own, so the slow half's two
-# longest modules do not queue behind each other; the runs that share the demo's run (a module
-# fixture) stay together. (xdist's own `loadgroup` and its xdist_group marks do nothing under
-# pytest 9.2, whose node ids xdist 3.8 can no longer rename; hence this scheduler.)
+# A module is one unit of work, as xdist's loadscope makes it: its tests share its fixtures.
+# Two modules are split, so that their long parts do not queue behind each other in one
+# process: the documented results, each of whose long runs is a unit of its own (the runs
+# that share the demo's run, a module fixture, stay together), and the documented commands
+# (~50 minutes in one process on busy cores), in the units tests/test_doc_commands.py names:
+# the TPU compiles, the commands that share what others make, the rest. (xdist's own
+# `loadgroup` and its xdist_group marks do nothing under pytest 9.2, whose node ids xdist 3.8
+# can no longer rename; hence this scheduler.)
 RUNS_APART = "tests/test_documented_results.py"
 SHARED_RUNS = {"test_lm_demo_bits_per_byte": "lm_demo",
                "test_sft_learns_to_repeat_words_on_three_seeds": "lm_demo",
                "test_dpo_prefers_the_right_word_on_three_seeds": "lm_demo"}
+DOC_COMMANDS = "tests/test_doc_commands.py"
 # Units handed out first, longest first: xdist queues units by their number of tests, which put
-# the demo and the fine-tunes (2 tests, ~19 minutes on busy cores then; 7.2 quiet since the
-# fine-tunes got shorter on 2026-12-03) behind dozens of short
-# modules, so one process could still be running them long after the other ran out of work.
-# The rest keep xdist's order (most tests first: the doc commands' module leads).
-FIRST = ("lm_demo",)
+# the demo and the fine-tunes (3 tests, ~11 minutes on quiet cores, twice that on busy ones)
+# behind dozens of short modules, so one process could still be running them long after the
+# other ran out of work. The rest keep xdist's order (most tests first).
+FIRST = ("lm_demo", f"{DOC_COMMANDS}::runs", f"{DOC_COMMANDS}::tpu", f"{DOC_COMMANDS}::rest")
+
+
+@functools.cache
+def _doc_command_units() -> dict[str, str]:
+  from tests import test_doc_commands  # pylint: disable=g-import-not-at-top
+  return test_doc_commands.units()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -104,6 +113,9 @@ def pytest_xdist_make_scheduler(config, log):
 
     def _split_scope(self, nodeid: str) -> str:
       module, _, test = nodeid.partition("::")
+      if module == DOC_COMMANDS:
+        where = test.partition("[")[2].removesuffix("]")
+        return f"{module}::{_doc_command_units().get(where, 'rest')}"
       if module != RUNS_APART:
         return super()._split_scope(nodeid)
       return SHARED_RUNS.get(test.split("[")[0], nodeid)

@@ -6,7 +6,8 @@ prompts, images), with the environment of a new CPU-only shell: no JAX_PLATFORMS
 device count in XLA_FLAGS (the commands choose the CPU and simulate their devices
 themselves); XLA_FLAGS holds only the suite's --xla_backend_optimization_level=0 (LLVM's
 optimizations off: the programs compile faster, tests/conftest.py). Changes
-to a command, all listed below: short step counts where a flag allows them (SHORTER),
+to a command, all listed below: short step counts where a flag allows them (SHORTER,
+TRAIN_SHORT; no sample after training but in the default suite's commands, SAMPLE),
 --dry-run for launchers that would reach a cloud or a cluster (DRY_RUN), a free port for
 the server, and /tmp paths moved into the folder. A server runs in the background while
 the clients of its block (curl, the load test) run against it. Commands that cannot run
@@ -87,8 +88,11 @@ SKIP = {
 # Launchers that would call gcloud / sbatch: their documented --dry-run instead.
 DRY_RUN = (r"scripts/tpu_pod\.py", r"scripts/slurm_job\.py")
 TRAIN_SHORT = ("--config.train.steps=3 --config.train.log_every=1 --config.train.eval_every=3 "
-               "--config.train.checkpoint_every=3 --config.data.eval_batches=1 "
-               "--config.train.sample_tokens=16")
+               "--config.train.checkpoint_every=3 --config.data.eval_batches=1")
+# The sample after training (the engine's programs: ~8 s of a 3-step run here) only where the
+# default suite runs the command (FAST: the README tour's train command samples, as a user's
+# first run does); tests/toolkit/inference/test_sample.py checks the sample itself.
+SAMPLE = {True: "--config.train.sample_tokens=16", False: "--config.train.sample_tokens=0"}
 # pattern -> (replacement): shorter runs of the same command.
 SHORTER = {
     r"--batches=200": "--batches=5",
@@ -161,6 +165,7 @@ def _skip_reason(text: str) -> str | None:
 
 def _runnable(text: str, workspace: pathlib.Path, port: int, kind: str = "shell") -> str:
   """The command as it runs here (see the module docstring for every change)."""
+  fast = any(re.search(pattern, text, re.M) for pattern in FAST)
   text = re.sub(r"\s*#[^'\"\n]*$", "", text, flags=re.M)  # trailing comments
   for pattern in DRY_RUN:
     if re.search(pattern, text) and "--dry-run" not in text:
@@ -170,7 +175,7 @@ def _runnable(text: str, workspace: pathlib.Path, port: int, kind: str = "shell"
     text = re.sub(pattern, replacement, text)
   if (kind == "shell" and re.search(r"toolkit\.train\b|scripts/(local_pod|seeds)\.py", text)
       and "--dry-run" not in text):
-    text = f"{text.rstrip()} {TRAIN_SHORT}"
+    text = f"{text.rstrip()} {TRAIN_SHORT} {SAMPLE[fast]}"
   text = text.replace("/tmp/", f"{workspace}/tmp/")
   text = re.sub(r"\b8000\b", str(port), text)
   return text.rstrip().removesuffix("&").rstrip()
@@ -218,6 +223,24 @@ def _cases() -> list[list[doc_commands.DocCommand]]:
       return 0
     return 1 if "toolkit.train" in text and "--plan=" not in text else 2
   return sorted(cases, key=stage)
+
+
+def _unit(case) -> str:
+  """The unit of work a case belongs to when the suite runs in two processes (tests/conftest.py):
+  the TPU compiles, the commands that make or read what another one makes (PRODUCERS: they
+  share a workspace), and the rest. Each unit has a workspace of its own (each test makes what
+  it reads when missing), so the units run side by side."""
+  text = case[0].text
+  if re.search(r"toolkit\.(compile|cost)\b|decode_cost\.py", text):
+    return "tpu"
+  if any(_reads(text, path) or re.search(pattern, text) for path, pattern in PRODUCERS.items()):
+    return "runs"
+  return "rest"
+
+
+def units() -> dict[str, str]:
+  """Each case's test id -> its unit (tests/conftest.py's scheduler)."""
+  return {case[0].where: _unit(case) for case in _cases()}
 
 
 def _in_default_suite(command: doc_commands.DocCommand) -> bool:
