@@ -144,6 +144,7 @@ PRODUCERS = {
                              r"lm_cpu_hf,lora=16 \\\n\s*--workdir=runs/sft_repeat_lora"),
     "runs/sft_lora_peft": (r"toolkit\.convert export --workdir=runs/sft_repeat_lora "
                            r"--out=runs/sft_lora_peft --peft"),
+    "runs/sft_repeat_hf": r"toolkit\.convert export --workdir=runs/sft_repeat --out=runs/sft_repeat_hf",
 }
 # pattern of a command -> (pattern of an output line it may print, why). Reviewed: each one an
 # open problem of the code, not of the docs.

@@ -18,7 +18,7 @@ from toolkit.errors import ConfigError
 from toolkit.evaluation import periodic
 from toolkit.inference import text as text_lib
 from toolkit.pod import distributed
-from toolkit.training import loop, stop_signal, storage
+from toolkit.training import loop, startup, stop_signal, storage
 
 
 def cli() -> None:
@@ -99,8 +99,13 @@ def cli() -> None:
 def train(config, workdir: str, process_count: int) -> None:
   """`toolkit.training.run` with its failures as one `error:` line each."""
   try:
+    batches = None
+    if config.data.source == "prompts":  # GRPO: batches sampled from the model being trained
+      from toolkit.post_training import grpo  # pylint: disable=g-import-not-at-top  # Grain
+      batches = grpo.batches_for(config, startup.log)
     result = loop.run(config, workdir, sampler=text_lib.sample_after_training,
-                      periodic=periodic.for_config(config))  # train.eval_tasks
+                      periodic=periodic.for_config(config),  # train.eval_tasks
+                      batches=batches)
     if result.interrupted:  # Ctrl-C twice: saved; Orbax's threads need not be waited for
       sys.stdout.flush()
       os._exit(stop_signal.INTERRUPTED_EXIT)  # pylint: disable=protected-access

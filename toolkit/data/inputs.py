@@ -28,6 +28,10 @@ def from_config(config, spec) -> text.Batches | GrainBatches | DocumentBatches:
     return _chat_batches(config, spec)
   if d.source == "preference":
     return _preference_batches(config, spec)
+  if d.source == "prompts":  # GRPO: the step's shapes; its batches are sampled from the model
+    from toolkit.data import prompts  # pylint: disable=g-import-not-at-top
+    return prompts.PromptSource(d.global_batch_size * config.grpo.generations, d.seq_len,
+                                config.grpo.loss, mesh, rules)
   # Grain (0.1 s to import) only for the runs that read through it: the built-in text above
   # reaches its first step sooner without it.
   from toolkit.data import images  # pylint: disable=g-import-not-at-top

@@ -22,7 +22,8 @@ from models import LlamaConfig
 from toolkit.inference import engine as engine_lib
 from toolkit.inference.sampling import SamplingParams
 from toolkit.inference.scheduler import Result, generate
-from toolkit.training import grpo, tasks
+from toolkit.data import prompts
+from toolkit.training import grpo
 
 
 def completion_seed(seed: int, step: int, prompt: int, generation: int) -> int:
@@ -97,6 +98,5 @@ def batch_of(groups: Sequence[Group], rewards: np.ndarray, seq_len: int, scale: 
     inputs[i, :len(row) - 1], targets[i, :len(row) - 1] = row[:-1], row[1:]
     weights[i, start - 1:len(row) - 1] = 1.0  # target t is token t + 1: completion from start
   advantages = np.asarray(grpo.group_advantages(np.asarray(rewards, np.float32), scale))
-  mask = "loss_weights" if loss in tasks.GRPO_TOKEN_MEAN else "completion_weights"
-  return {"inputs": inputs, "targets": targets, mask: weights,
+  return {"inputs": inputs, "targets": targets, prompts.mask_key(loss): weights,
           "advantages": advantages.reshape(-1).astype(np.float32)}

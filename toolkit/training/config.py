@@ -22,7 +22,7 @@ from toolkit.data import text
 from toolkit import workdir as workdir_lib
 from toolkit import xla_flags
 from toolkit.errors import ConfigError
-from toolkit.training import init_from
+from toolkit.training import init_from, post_training_checks
 from toolkit.training.profiler import parse_profile_steps
 from toolkit.training.ranges import RANGES, numeric_fields
 
@@ -94,6 +94,14 @@ def defaults() -> ml_collections.ConfigDict:
   # compiler flags that overlap collectives with compute on a TPU or GPU (toolkit/xla_flags.py),
   # "auto" (the platform's preset; flags already in LIBTPU_INIT_ARGS / XLA_FLAGS win) or "none".
   c.runtime = ml_collections.ConfigDict(dict(xla_flags="auto"))
+  _post_training_defaults(c)
+  return c
+
+
+
+
+def _post_training_defaults(c: ml_collections.ConfigDict) -> None:
+  """The post-training tasks' sections of `defaults()`: dpo and grpo."""
   # Preference tuning (data.source="preference": toolkit/training/dpo.py, tasks.py): the
   # reward scale beta, the loss (sigmoid, hinge, ipo, robust) and, for robust, the
   # probability that a pair's labels are flipped. reference: where the reference model's
@@ -103,9 +111,14 @@ def defaults() -> ml_collections.ConfigDict:
   # LoRA adapters, else precomputed).
   c.dpo = ml_collections.ConfigDict(dict(beta=0.1, loss="sigmoid", label_smoothing=0.0,
                                          reference="auto"))
-  return c
-
-
+  # Reinforcement learning (data.source="prompts": toolkit/post_training/grpo.py, the
+  # objective toolkit/training/grpo.py): completions sampled per prompt and their length and
+  # sampling; the KL penalty beta (to a LoRA model's base; 0 is off), the clip range, the
+  # reduction (grpo, bnpo, dr_grpo, dapo), how advantages are scaled (group, batch, none), and
+  # the reward function, "module:function" or "path/file.py:function".
+  c.grpo = ml_collections.ConfigDict(dict(
+      generations=4, max_tokens=16, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
+      epsilon=0.2, epsilon_high=0.2, loss="dapo", scale_rewards="group", reward=""))
 
 
 def check_ranges(config: ml_collections.ConfigDict) -> None:
@@ -143,10 +156,12 @@ class RunSpec:
 
 
 # task -> data.source values it accepts.
-_SOURCES = {"lm": ("stdlib_docs", "synthetic", "tokens", "chat", "preference"),
-            "dpo": ("preference",),
+_SOURCES = {"lm": ("stdlib_docs", "synthetic", "tokens", "chat", "preference", "prompts"),
+            "dpo": ("preference",), "grpo": ("prompts",),
             "classification": ("digits", "npz", "image_folder", "synthetic")}
 _TASK_OF_KIND = {"llama": "lm", "vit": "classification"}
+# An LM's data.source values that make it another task (toolkit/training/post_training_checks.py).
+_POST_TRAINING = {"preference": "dpo", "prompts": "grpo"}
 
 
 def resolve(config: ml_collections.ConfigDict,
@@ -169,24 +184,27 @@ def resolve(config: ml_collections.ConfigDict,
   d = config.data
   kind = config.model.get("kind", "llama")
   task = _TASK_OF_KIND[kind]
-  if task == "lm" and d.source == "preference":
-    task = "dpo"
+  if task == "lm" and d.source in _POST_TRAINING:
+    task = _POST_TRAINING[d.source]
   if d.source not in _SOURCES[task]:
     raise ConfigError(f"data.source={d.source!r} does not fit model.kind={kind!r} "
                       f"({task}); choose one of {', '.join(_SOURCES[task])}")
   # Configs saved before data.path existed (older checkpoints) lack it.
-  if (d.source in ("tokens", "npz", "image_folder", "chat", "preference")
+  if (d.source in ("tokens", "npz", "image_folder", "chat", "preference", "prompts")
       and not d.get("path", "")):
     raise ConfigError(f"data.source={d.source!r} needs data.path: give --config.data.path=" + {
         "tokens": "a folder written by scripts/prepare_text.py",
         "chat": "JSONL or Parquet files of conversations (or synthetic:reverse)",
         "preference": "JSONL or Parquet files of {prompt, chosen, rejected} pairs (or "
-                      "synthetic:repeat)"}.get(d.source, "the " + d.source.replace("_", " ")))
-  if d.source in ("chat", "preference"):
+                      "synthetic:repeat)",
+        "prompts": "JSONL or Parquet files of {prompt, answer} records (or synthetic:add)"}.get(d.source, "the " + d.source.replace("_", " ")))
+  if d.source in ("chat", "preference", "prompts"):
     from toolkit.data import chat  # pylint: disable=g-import-not-at-top  # imports Grain
     chat.check_config(d)
   if task == "dpo":
-    _check_preference(config, model, mesh)
+    post_training_checks.check_preference(config, model, mesh, defaults().dpo)
+  if task == "grpo":
+    post_training_checks.check_grpo(config, model, mesh, defaults().grpo)
   if d.source == "stdlib_docs" and model.vocab_size < 256:
     raise ConfigError(f"model.vocab_size={model.vocab_size} is below 256, the byte-level "
                       f"vocabulary of data.source='stdlib_docs'; set model.vocab_size>=256")
@@ -237,35 +255,6 @@ def _mesh(section: ml_collections.ConfigDict, devices: Sequence[jax.Device] | No
         f"(XLA_FLAGS=--xla_force_host_platform_device_count=8; the toolkit commands do it from "
         f"the mesh, toolkit.runtime.simulate_cpu_devices in Python) or fit the mesh to the "
         f"{len(found)} device(s) there are: --config.mesh.ici=fsdp:-1") from None
-
-
-def _check_preference(config: ml_collections.ConfigDict, model, mesh: Mesh) -> None:
-  """Preference tuning (task dpo): the objective's settings, a reference the model has (the
-  base needs LoRA adapters), no dropout, whole rows on each device."""
-  from toolkit.data import preference  # pylint: disable=g-import-not-at-top
-  from toolkit.training import dpo  # pylint: disable=g-import-not-at-top
-  settings = config.get("dpo", defaults().dpo)
-  try:
-    dpo.check(settings.beta, settings.loss, settings.label_smoothing)
-  except ValueError as e:
-    raise ConfigError(f"dpo.{e}") from None
-  reference = settings.get("reference", "auto")
-  if reference not in preference.REFERENCES:
-    raise ConfigError(f"dpo.reference={reference!r} is unknown; choose one of "
-                      f"{', '.join(preference.REFERENCES)}")
-  if reference == "base" and not model.lora_rank:
-    raise ConfigError("dpo.reference='base' is a LoRA model's base (its adapters off), and "
-                      "model.lora_rank is 0; set model.lora_rank (e.g. 16) or "
-                      "dpo.reference='precomputed' (the starting weights' log-probabilities, "
-                      "one pass before the first step)")
-  if model.lora_dropout:
-    raise ConfigError(f"model.lora_dropout={model.lora_dropout}: preference tuning trains "
-                      f"without dropout (as trl's DPOTrainer does by default); set it to 0")
-  for axis in ("sequence", "stage"):
-    if mesh.shape.get(axis, 1) > 1:
-      raise ConfigError(f"mesh.ici has {axis}={mesh.shape[axis]}: preference tuning runs whole "
-                        f"rows through the whole model on each device so far; drop the "
-                        f"{axis} axis")
 
 
 # data.source values whose documents data.packing packs.

@@ -67,16 +67,19 @@ class Every:
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
-        sampler: Sampler | None = None, periodic: Sequence[Every] = ()) -> RunResult:
+        sampler: Sampler | None = None, periodic: Sequence[Every] = (),
+        batches: Callable[[Setup], object] | None = None) -> RunResult:
   """Trains per `config`, checkpointing into `workdir`; resumes if the workdir has a checkpoint.
 
   `devices` (default: all) lets a sweep run several trials at once on disjoint devices;
   `sampler`, when given, continues a prompt with the trained model at the end; `periodic`
-  work runs every N steps beside eval and checkpoints."""
+  work runs every N steps beside eval and checkpoints; `batches(setup)`, when given, is the
+  data source in place of the config's (one sampled from the model being trained:
+  `observe(state)` before each batch, `evaluate(state, step)` for the eval's scalars)."""
   goodput = goodput_lib.Goodput()
   # --- setup: validate everything before touching the workdir --------------------------------
   with goodput.phase("startup"):
-    setup = build(config, devices)
+    setup = _build(config, devices, batches)
     workdir_lib.set_deadline(config.train.get("storage_timeout_s",
                                               workdir_lib.DEFAULT_DEADLINE_S))
     programs = programs_lib.for_run(config, setup.spec.mesh)  # a restart reads them back
@@ -91,10 +94,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
     state, data_position = resume.restore_or_init(config, setup, checkpoints, log, hf_folder,
                                                   programs)
     start_step = int(jax.device_get(state["step"]))
-    if start_step < config.train.steps and getattr(setup.batches, "precomputed_reference",
-                                                   False):
-      from toolkit.training import dpo_reference  # pylint: disable=g-import-not-at-top  # Grain
-      dpo_reference.prepare(setup, state["params"], workdir, resuming, log)
+    if start_step < config.train.steps:
+      _precompute_reference(setup, state, workdir, resuming)
   result = RunResult(final_step=start_step, train_losses={}, eval_losses={},
                      stopped_early=False, start_step=start_step)
   if start_step >= config.train.steps:
@@ -144,6 +145,25 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
     current.watchdog.stop()
     current.writer.close()
   return current.result
+
+
+def _precompute_reference(setup: Setup, state, workdir: str, resuming: bool) -> None:
+  """DPO's reference log-probabilities (dpo_reference.py), when the batches precompute them."""
+  if getattr(setup.batches, "precomputed_reference", False):
+    from toolkit.training import dpo_reference  # pylint: disable=g-import-not-at-top  # Grain
+    dpo_reference.prepare(setup, state["params"], workdir, resuming, log)
+
+
+def _build(config: ml_collections.ConfigDict, devices,
+           batches: Callable[[Setup], object] | None) -> Setup:
+  """`build`, with `batches(setup)` in place of the config's data source when given (one the
+  model's own samples make needs it)."""
+  setup = build(config, devices)
+  if batches is not None:
+    return dataclasses.replace(setup, batches=batches(setup))
+  if getattr(setup.batches, "sampled", False):
+    raise ConfigError(setup.batches.needs)
+  return setup
 
 
 def finish(run_: Run, workdir: str, state, sampler: Sampler | None) -> None:
@@ -216,6 +236,8 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
   # run; the iterator places each on the devices and resumes a checkpoint's data position.
   prefetch = config.data.get("prefetch", 2)  # absent from configs saved before it existed
   batch_iter = run_.setup.batches.iterator(start_step, data_position, prefetch)
+  observe = getattr(batch_iter, "observe", lambda state: None)  # sampled from the model
+  observe(state)
   pending: list = []
   interval = Interval()
   one_step_in_flight = run_.setup.spec.mesh.devices.flat[0].platform == "cpu"
@@ -234,6 +256,7 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
         run_.profiler.before_step(current + 1)
         host_times.add(host_seconds)
         state, step_metrics = train_step(state, batch)
+        observe(state)
         done = current + 1
         run_.profiler.after_step(done, step_metrics)
         pending.append((done, step_metrics))
@@ -349,10 +372,15 @@ def evaluate(run_: Run, state, at_step: int) -> None:
 def _evaluate(run_: Run, state, at_step: int) -> None:
   setup, result = run_.setup, run_.result
   batches = setup.batches
-  outputs = [run_.eval_step(state, batches.eval_batch(i)) for i in range(batches.eval_batches)]
-  summary = setup.task.summarize(jax.device_get(outputs))
+  if hasattr(batches, "evaluate"):  # a source sampled from the model evaluates the same way
+    summary = batches.evaluate(state, at_step)
+  else:
+    outputs = [run_.eval_step(state, batches.eval_batch(i))
+               for i in range(batches.eval_batches)]
+    summary = setup.task.summarize(jax.device_get(outputs))
   scalars = {k: v for k, v in summary.items() if isinstance(v, float)}
-  result.eval_losses[at_step] = scalars["loss"]
+  if "loss" in scalars:
+    result.eval_losses[at_step] = scalars["loss"]
   result.eval_metrics[at_step] = scalars
   run_.writer.write(at_step, "eval", scalars)
   if setup.task.name == "classification":

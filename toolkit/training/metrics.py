@@ -65,6 +65,9 @@ def progress_line(step: int, total: int, metrics: dict[str, float], step_seconds
 def eval_line(step: int, scalars: dict[str, float], units: Units) -> str:
   """The console's line for one eval: the loss in `units`, then for an LM the same loss in
   bits, for a classifier its accuracy."""
+  if "reward" in scalars:  # GRPO: the held-out prompts answered greedily
+    return (f"eval at step {step}: mean reward {scalars['reward']:.3f}, solved "
+            f"{scalars['solved']:.2%} ({int(scalars['prompts'])} held-out prompts, greedy)")
   loss = scalars["loss"]
   if "preference_accuracy" in scalars:
     return (f"eval at step {step}: loss {loss:.4f} {units.loss}, preference accuracy "

@@ -149,6 +149,17 @@ RANGES: dict[str, Range] = {
     "dpo.beta": positive("DPO's reward scale: how far the policy may move from the reference"),
     "dpo.label_smoothing": fraction("probability that a pair's preference is flipped (the "
                                     "robust loss)", high_open=True),
+    "grpo.generations": count("completions sampled per prompt, compared with each other", low=2),
+    "grpo.max_tokens": count("tokens a sampled completion may have"),
+    "grpo.temperature": Range(0.0, meaning="sampling temperature of the rollouts; 0 is greedy"),
+    "grpo.top_p": Range(0.0, 1.0, meaning="nucleus sampling mass of the rollouts; 1 is off",
+                        low_open=True),
+    "grpo.top_k": count("the rollouts keep the k most likely tokens; 0 is off", low=0),
+    "grpo.beta": Range(0.0, meaning="weight of the KL penalty to the reference; 0 is off"),
+    "grpo.epsilon": Range(0.0, 1.0, meaning="how far below 1 the policy ratio is clipped",
+                          low_open=True, high_open=True),
+    "grpo.epsilon_high": Range(0.0, 1.0, meaning="how far above 1 the policy ratio is clipped",
+                               low_open=True, high_open=True),
     "train.eval_tasks_every": count("steps between runs of train.eval_tasks"),
     "train.eval_tasks_limit": count("examples per task of train.eval_tasks; 0 is all", low=0),
     "train.hang_timeout_s": Range(0.0, meaning="seconds without progress before a process "

@@ -36,7 +36,8 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
   mesh, rules, model_cfg = spec.mesh, spec.rules, spec.model
   batches = data_lib.from_config(config, spec)
   task = tasks.for_run(spec.task, config.train.get("label_smoothing", 0.0),
-                       dict(config.dpo) if spec.task == "dpo" else None)
+                       dict(config.dpo) if spec.task == "dpo" else None,
+                       dict(config.grpo) if spec.task == "grpo" else None)
   schedule_steps = config.optimizer.schedule_steps or config.train.steps
   optimizer = step_lib.make_optimizer(config.optimizer, schedule_steps)
   schedule = step_lib.learning_rate_schedule(config.optimizer, schedule_steps)
@@ -95,6 +96,10 @@ def work_per_step(config: ml_collections.ConfigDict, setup: Setup) -> tuple[int,
   if setup.task.name == "lm":
     tokens = config.data.global_batch_size * config.data.seq_len
     return tokens, model_cfg.flops_per_token(config.data.seq_len) * tokens
+  if setup.task.name == "grpo":  # the trained rows; the rollouts' decoding is not counted
+    tokens = config.data.global_batch_size * config.grpo.generations * config.data.seq_len
+    reference = 4 / 3 if config.grpo.beta else 1
+    return tokens, model_cfg.flops_per_token(config.data.seq_len) * tokens * reference
   if setup.task.name == "dpo":  # two rows a pair; the base as reference adds a forward pass
     tokens = 2 * config.data.global_batch_size * config.data.seq_len
     base = not getattr(setup.batches, "precomputed_reference", False)
@@ -109,5 +114,7 @@ def units_of(config: ml_collections.ConfigDict, setup: Setup) -> metrics_lib.Uni
   LM, bits per byte on byte-level data, else bits per token."""
   if setup.task.name == "dpo":
     return metrics_lib.Units("per pair", None)
+  if setup.task.name == "grpo":
+    return metrics_lib.Units("per completion token", None)
   token = data_lib.token_unit(config) if setup.task.name == "lm" else None
   return metrics_lib.Units.of(setup.task.unit, token)

@@ -18,6 +18,11 @@ its training loss as configured:
                   int32, "completion_weights" float32} (pairs, 2, length), side 0 chosen and
                   side 1 rejected (toolkit/data/preference.py); evaluated as the held-out
                   pairs' loss, preference accuracy and reward margin
+  grpo            group relative policy optimization (toolkit/training/grpo.py, the `grpo`
+                  config section) on completions sampled from the model being trained
+                  (toolkit/post_training/grpo.py); batch {"inputs", "targets", the completion
+                  mask, "advantages", "rewards"} (`grpo_loss`); evaluated as the held-out
+                  prompts' mean reward, answered greedily
 """
 from __future__ import annotations
 
@@ -183,13 +188,11 @@ def preference_summary(results: Sequence[dict]) -> dict:
 
 
 # --- reinforcement learning (GRPO) on fixed rollouts ------------------------------------------
-
-# The batch entries of a GRPO step (toolkit/post_training/rollouts.py `batch_of`): each row one
-# completion after its prompt, (rows, length) "inputs" and "targets" int32 and the completion
-# mask, named "loss_weights" when the loss is a mean over the batch's completion tokens (bnpo,
-# dapo: micro-batches are then combined by their tokens, step.weighted_loss_and_grads) and
-# "completion_weights" otherwise; "advantages" (rows,) float32.
-GRPO_TOKEN_MEAN = ("bnpo", "dapo")
+# The batch of a GRPO step (toolkit/post_training/rollouts.py `batch_of`, shapes in
+# toolkit/data/prompts.py PromptSource): each row one completion after its prompt, (rows,
+# length) "inputs" and "targets" int32 and the completion mask (`keys.mask_key`: micro-batches
+# of the token means are combined by their tokens); "advantages" (rows,) float32, and
+# "rewards" when the loop samples them (their mean is a metric).
 
 
 def grpo_loss(graphdef: nnx.GraphDef, params, batch: Batch, *, beta: float, epsilon: float,
@@ -198,7 +201,7 @@ def grpo_loss(graphdef: nnx.GraphDef, params, batch: Batch, *, beta: float, epsi
   the sampling model is the one being trained, so each ratio is 1 in value and carries the
   gradient; with `beta` > 0 the KL penalty is to the reference, a LoRA model's base. No
   dropout."""
-  weights = batch["loss_weights" if loss in GRPO_TOKEN_MEAN else "completion_weights"]
+  weights = batch[keys.mask_key(loss)]
   with lora.no_dropout():
     logps = token_logps(graphdef, params, batch)
   reference = logps
@@ -208,9 +211,13 @@ def grpo_loss(graphdef: nnx.GraphDef, params, batch: Batch, *, beta: float, epsi
                        f"this model has no adapters; set beta=0 or model.lora_rank")
     with lora.base_only():
       reference = token_logps(graphdef, jax.lax.stop_gradient(params), batch)
-  return grpo.policy_loss(logps, jax.lax.stop_gradient(logps), jax.lax.stop_gradient(reference),
-                          batch["advantages"], weights, beta=beta, epsilon=epsilon,
-                          epsilon_high=epsilon_high, loss=loss)
+  value, metrics = grpo.policy_loss(
+      logps, jax.lax.stop_gradient(logps), jax.lax.stop_gradient(reference), batch["advantages"],
+      weights, beta=beta, epsilon=epsilon, epsilon_high=epsilon_high, loss=loss)
+  if "rewards" in batch:
+    metrics["reward"] = jnp.mean(batch["rewards"])
+  metrics["completion_tokens"] = jnp.sum(weights) / weights.shape[0]
+  return value, metrics
 
 
 def _has_adapters(params) -> bool:
@@ -223,12 +230,26 @@ def token_logps(graphdef: nnx.GraphDef, params, batch: Batch) -> jax.Array:
   return grpo.token_logps(nnx.merge(graphdef, params)(batch["inputs"]), batch["targets"])
 
 
+def grpo_eval(graphdef: nnx.GraphDef, params, batch: Batch, **settings) -> dict:
+  """A GRPO batch's loss: what the compiled eval step computes. The run's evaluation is the
+  held-out prompts' rewards, from the engine (toolkit/post_training/grpo.py `evaluate`)."""
+  return {"loss": grpo_loss(graphdef, params, batch, **settings)[0]}
+
+
+def grpo_summary(results: Sequence[dict]) -> dict:
+  return {"loss": float(np.mean([float(r["loss"]) for r in results]))}
+
+
 TASKS = {"lm": LM, "classification": CLASSIFICATION,
          "dpo": Task(name="dpo", unit="tok", loss=preference_loss, evaluate=preference_eval,
-                     summarize=preference_summary)}
+                     summarize=preference_summary),
+         "grpo": Task(name="grpo", unit="tok", loss=grpo_loss, evaluate=grpo_eval,
+                      summarize=grpo_summary)}
+GRPO_SETTINGS = ("beta", "epsilon", "epsilon_high", "loss")
 
 
-def for_run(name: str, label_smoothing: float = 0.0, dpo_settings: dict | None = None) -> Task:
+def for_run(name: str, label_smoothing: float = 0.0, dpo_settings: dict | None = None,
+            grpo_settings: dict | None = None) -> Task:
   """The task `name` with its training loss as configured; evaluation is never smoothed (the
   held-out loss stays the plain cross-entropy). `dpo_settings`: the dpo section (its beta, loss
   and label_smoothing are the objective's; its reference is the data's)."""
@@ -240,4 +261,8 @@ def for_run(name: str, label_smoothing: float = 0.0, dpo_settings: dict | None =
     dpo_settings = {key: dpo_settings[key] for key in ("beta", "loss", "label_smoothing")}
     task = dataclasses.replace(task, loss=functools.partial(preference_loss, **dpo_settings),
                                evaluate=functools.partial(preference_eval, **dpo_settings))
+  if name == "grpo":
+    grpo_settings = {key: grpo_settings[key] for key in GRPO_SETTINGS}
+    task = dataclasses.replace(task, loss=functools.partial(grpo_loss, **grpo_settings),
+                               evaluate=functools.partial(grpo_eval, **grpo_settings))
   return task

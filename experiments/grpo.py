@@ -1,0 +1,63 @@
+"""Reinforcement learning with GRPO on a verifiable task: rank-16 LoRA adapters trained on
+completions the model samples itself, each scored by `exact_match` against the task's answer
+(toolkit/post_training/grpo.py, toolkit/training/grpo.py; docs/post_training.md).
+
+  python -m toolkit.train --config=experiments/grpo.py:cpu,base=runs/sft_repeat_hf \\
+      --workdir=runs/grpo_repeat
+
+where runs/sft_repeat_hf is a chat model exported from a short run of experiments/sft.py
+(`python -m toolkit.convert export --workdir=runs/sft_repeat --out=runs/sft_repeat_hf`): GRPO
+learns from the completions of a group that score above the others, so the model must answer
+some prompts right to begin with. The eval line gives the held-out prompts' mean reward,
+answered greedily.
+
+Variants after the colon, comma separated:
+  cpu          (default) the CPU LM (byte-level), 8 prompts x 8 completions a step, 200 steps
+  tiny         the unit-test size: 2 layers, d_model 32, 4 prompts x 4 completions, 4 steps
+  base=DIR     start from the Hugging Face folder DIR (train.init_from=hf:DIR)
+  task=NAME    the synthetic task: repeat (default), upper, reverse or add; or your files:
+               --config.data.path=train.jsonl (records {"prompt": ..., "answer": ...})
+  size=NAME    a model preset of experiments/lm.py (e.g. 8b) with its pod-scale layout; not
+               yet for toolkit.compile: its report would compile a step of global_batch_size
+               rows, not prompts x generations, and without the adapters
+Single fields: --config.grpo.generations=16, --config.grpo.beta=0.04, --config.grpo.loss=grpo,
+--config.grpo.reward=path/to/file.py:my_reward (called as my_reward(completion, answer)), ...
+"""
+from experiments import lm, sft
+from toolkit.training.config import defaults
+
+_VARIANTS = ("cpu", "tiny")
+_KEYS = ("base", "task", "size")
+LORA_RANK = 16
+
+
+def exact_match(completion: str, answer) -> float:
+  """1 when the completion (up to the end of its turn) is the answer, else 0."""
+  return float(completion.strip() == str(answer).strip())
+
+
+def get_config(arg: str | None = None):
+  variant, keyed = lm.parse_arg(arg, "experiments/grpo.py", _VARIANTS, _KEYS)
+  config = defaults()
+  lm.set_model(config, "tiny" if variant == "tiny" else "cpu")
+  config.model.update(lora_rank=LORA_RANK, lora_alpha=2.0 * LORA_RANK, lora_dropout=0.0)
+  config.data.update(source="prompts", path="synthetic:repeat", tokenizer="bytes",
+                     chat_template=sft.BYTE_TEMPLATE, seq_len=32, global_batch_size=8)
+  config.grpo.update(reward="experiments.grpo:exact_match", generations=8, max_tokens=8,
+                     temperature=1.0)
+  config.mesh.ici = "data:1,fsdp:1,tensor:1"  # on a CPU simulated devices share its cores
+  config.sharding.preset = "fsdp"
+  config.optimizer.update(learning_rate=1e-3, warmup_steps=10, weight_decay=0.0)
+  config.train.update(steps=200, sample_tokens=0, log_every=10, eval_every=50,
+                      checkpoint_every=100)
+  if variant == "tiny":
+    config.data.update(path="synthetic:repeat:64", global_batch_size=4)
+    config.grpo.generations = 4
+    config.train.update(steps=4, log_every=2, eval_every=4, checkpoint_every=2)
+  if "task" in keyed:
+    sft.set_task(config, keyed["task"])
+  if "base" in keyed:
+    sft.set_base(config, keyed["base"])
+  if "size" in keyed:
+    lm.set_model(config, keyed["size"])
+  return config

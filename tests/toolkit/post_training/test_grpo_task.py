@@ -1,0 +1,118 @@
+"""GRPO as a training task (data.source="prompts", toolkit/post_training/grpo.py): a run samples
+its batches from the model it trains, on 8 devices as on one; a stopped run resumes with the
+same rollouts and losses; the held-out evaluation is the greedy answers' mean reward; each
+setting it cannot run is one error naming its field."""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import grpo as grpo_experiment
+from tests.tiny_runs import TOLERANCE
+from toolkit import training
+from toolkit.errors import ConfigError
+from toolkit.post_training import grpo
+from toolkit.training import config as config_lib
+
+STEPS = 4
+
+
+def even_characters(completion: str, answer) -> float:
+  """A reward a fresh tiny model's completions score differently on (so its groups have
+  advantages): the share of the completion's first four characters whose code is even."""
+  del answer
+  return sum(ord(c) % 2 == 0 for c in completion[:4]) / 4
+
+
+REWARD = f"{__file__}:even_characters"
+
+
+def _config(ici: str = "fsdp:4,tensor:2", preset: str = "fsdp_tp"):
+  config = grpo_experiment.get_config("tiny")
+  config.mesh.ici, config.sharding.preset = ici, preset
+  config.grpo.reward = REWARD
+  config.train.update(steps=STEPS, log_every=1, eval_every=STEPS, checkpoint_every=2)
+  config.optimizer.update(warmup_steps=0, schedule_steps=STEPS)
+  return config
+
+
+def _records(workdir) -> dict[int, dict]:
+  lines = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  return {r["step"]: r for r in lines if r["kind"] == "train"}
+
+
+def test_a_run_on_8_devices_trains_as_on_one(tmp_path):
+  sharded = grpo.run(_config(), str(tmp_path / "sharded"))
+  one = grpo.run(_config("data:1,fsdp:1,tensor:1", "fsdp"), str(tmp_path / "one"),
+                 devices=jax.devices()[:1])
+  a, b = _records(tmp_path / "sharded"), _records(tmp_path / "one")
+  assert sorted(a) == list(range(1, STEPS + 1))
+  for step in a:
+    np.testing.assert_allclose(b[step]["loss"], a[step]["loss"], **TOLERANCE)
+    assert b[step]["reward"] == a[step]["reward"]  # the same completions were sampled
+  rewards = [a[s]["reward"] for s in a]
+  assert 0 < max(rewards) and min(rewards) < 1  # groups that score differently
+  for result in (sharded, one):
+    assert set(result.eval_metrics[0]) == {"reward", "solved", "prompts"}
+    assert result.eval_metrics[STEPS]["prompts"] == 256  # the task's held-out split
+  assert sharded.eval_metrics[STEPS] == one.eval_metrics[STEPS]
+
+
+def test_a_stopped_run_resumes_with_the_same_rollouts(tmp_path):
+  config = _config()
+  grpo.run(config, str(tmp_path / "straight"))
+  config.train.steps = 2
+  grpo.run(config, str(tmp_path / "stopped"))
+  config.train.steps = STEPS
+  grpo.run(config, str(tmp_path / "stopped"))
+  straight, resumed = _records(tmp_path / "straight"), _records(tmp_path / "stopped")
+  for step in straight:
+    assert resumed[step]["loss"] == straight[step]["loss"]
+    assert resumed[step]["reward"] == straight[step]["reward"]
+
+
+def test_the_library_run_without_rollouts_is_one_error(tmp_path):
+  with pytest.raises(ConfigError, match="samples its batches from the model being trained"):
+    training.run(_config(), str(tmp_path / "run"))
+  assert not os.path.exists(tmp_path / "run" / "config.json")
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("grpo.reward", "", "grpo.reward is empty"),
+    ("grpo.loss", "ppo", "grpo.loss='ppo' is unknown"),
+    ("grpo.scale_rewards", "rank", "grpo.scale_rewards='rank' is unknown"),
+    ("grpo.generations", 1, "grpo.generations=1 must be"),
+    ("grpo.max_tokens", 32, "grpo.max_tokens=32 leaves no room"),
+    ("grpo.top_p", 0.0, "grpo.top_p=0.0 must be"),
+    ("grpo.epsilon_high", 1.5, "grpo.epsilon_high=1.5 must be"),
+    ("data.path", "", "data.source='prompts' needs data.path"),
+    ("mesh.ici", "fsdp:4,sequence:2", "mesh.ici has sequence=2: GRPO"),
+])
+def test_a_setting_it_cannot_run_is_one_error_naming_the_field(field, value, words):
+  config = _config()
+  section, name = field.split(".")
+  config[section][name] = value
+  with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
+    config_lib.resolve(config)
+
+
+def test_the_kl_penalty_needs_adapters():
+  config = _config()
+  config.model.lora_rank, config.grpo.beta = 0, 0.04
+  with pytest.raises(ConfigError, match="grpo.beta=0.04: the KL penalty's reference is a LoRA"):
+    config_lib.resolve(config)
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("experiments.grpo", "name the reward function as 'module:function'"),
+    ("experiments.nowhere:f", "cannot import experiments.nowhere"),
+    ("experiments.grpo:nothing", "has no function 'nothing'"),
+    ("/no/such/file.py:f", "is not a file"),
+])
+def test_a_reward_that_does_not_load_is_one_error(spec, words):
+  with pytest.raises(ConfigError, match=words):
+    grpo.load_reward(spec)
