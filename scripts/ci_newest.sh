@@ -4,8 +4,8 @@
 # 3.11 jax stops at 0.10.2, the lower bound). It creates .venv-newest itself, installs
 # '.[test]' with --upgrade (no pins but the project's own: torch==2.13.0), prints the
 # versions it got and runs the tests marked `smoke` (train, resume, sharded == unsharded,
-# Grain's batches, Hugging Face parity, a TPU compile, one served request): 10 tests, ~1
-# minute on 2 cores after an install of ~2 minutes.
+# Grain's batches, Hugging Face parity, a TPU compile, one served request): 12 tests in two
+# processes, ~1-2 minutes on 2 cores after an install of 2-4 minutes.
 #
 #   bash scripts/ci_newest.sh           the install, then the smoke tests
 #   bash scripts/ci_newest.sh install   the install only
@@ -67,6 +67,6 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 start=$SECONDS
 status=0
-"$VENV/bin/python" -m pytest -m smoke --durations=10 ${PYTEST_ARGS:-} || status=$?
+"$VENV/bin/python" -m pytest -n 2 -m smoke --durations=10 ${PYTEST_ARGS:-} || status=$?
 echo "newest-deps: smoke tests took $((SECONDS - start)) s"
 exit $status

@@ -7,7 +7,8 @@ device count in XLA_FLAGS (the commands choose the CPU and simulate their device
 themselves); XLA_FLAGS holds only the suite's --xla_backend_optimization_level=0 (LLVM's
 optimizations off: the programs compile faster, tests/conftest.py). Changes
 to a command, all listed below: short step counts where a flag allows them (SHORTER,
-TRAIN_SHORT; no sample after training but in the default suite's commands, SAMPLE),
+TRAIN_SHORT; no sample after training but in the default suite's commands, SAMPLE; the
+largest TPU compiles without the overlap flags, APPEND),
 --dry-run for launchers that would reach a cloud or a cluster (DRY_RUN), a free port for
 the server, and /tmp paths moved into the folder. A server runs in the background while
 the clients of its block (curl, the load test) run against it. Commands that cannot run
@@ -99,7 +100,14 @@ SHORTER = {
     r"--requests=200": "--requests=16",
     r"(toolkit\.sweep --config=experiments/lm\.py):cpu": r"\1:tiny",
     r"(toolkit\.sweep --config=experiments/sft\.py):lora": r"\1:tiny",
+    # The 7b decode step with its layers scanned: unrolled (the script's default, for a cost
+    # analysis that covers every layer) its compile took ~1 min here, scanned ~10 s.
+    r"(scripts/decode_cost\.py --model=7b\b[^\n]*)": r"\1 --nounroll",
 }
+# pattern -> what goes at the end of the command. The 7b and 8x7b steps for 64 TPU chips
+# compile without the overlap flags: with them libtpu took 1.5x as long (108 s against 71 s for
+# the 7b here), and what they change is tests/toolkit/pod/test_overlap.py's to check.
+APPEND = {r"--topology=v5p-128": "--config.runtime.xla_flags=none"}
 # pattern -> why it runs in make test-slow only (over a minute here, even shortened).
 SLOW = {
     r"--topology=v5p-128": "compiles the 7b step for 64 TPU chips (~2 min)",
@@ -174,6 +182,9 @@ def _runnable(text: str, workspace: pathlib.Path, port: int, kind: str = "shell"
       text = f"{head} --dry-run{sep}{tail}"
   for pattern, replacement in SHORTER.items():
     text = re.sub(pattern, replacement, text)
+  for pattern, extra in APPEND.items():
+    if re.search(pattern, text):
+      text = f"{text.rstrip()} {extra}"
   if (kind == "shell" and re.search(r"toolkit\.train\b|scripts/(local_pod|seeds)\.py", text)
       and "--dry-run" not in text):
     text = f"{text.rstrip()} {TRAIN_SHORT} {SAMPLE[fast]}"
@@ -388,7 +399,7 @@ def test_the_docs_show_commands():
   assert any(c.kind == "python" for c in commands)
   # Every pattern still matches a command: the lists cannot go stale, and the commands that
   # once failed as pasted stay in the default suite.
-  for pattern in (*SKIP, *FAST, *PRODUCERS.values(), *KNOWN_NOISE):
+  for pattern in (*SKIP, *FAST, *APPEND, *PRODUCERS.values(), *KNOWN_NOISE):
     assert any(re.search(pattern, c.text, re.M) for c in commands), pattern
   default = [c for c in commands if _in_default_suite(c)]
   for pattern in FAST:
