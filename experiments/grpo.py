@@ -17,9 +17,9 @@ Variants after the colon, comma separated:
   base=DIR     start from the Hugging Face folder DIR (train.init_from=hf:DIR)
   task=NAME    the synthetic task: repeat (default), upper, reverse or add; or your files:
                --config.data.path=train.jsonl (records {"prompt": ..., "answer": ...})
-  size=NAME    a model preset of experiments/lm.py (e.g. 8b) with its pod-scale layout; not
-               yet for toolkit.compile: its report would compile a step of global_batch_size
-               rows, not prompts x generations, and without the adapters
+  size=NAME    a model preset of experiments/lm.py (e.g. 8b) with the adapters, over fsdp on
+               every chip, 8 prompts x 8 completions of 1024 positions a step: for
+               toolkit.compile (docs/post_training.md)
 Single fields: --config.grpo.generations=16, --config.grpo.beta=0.04, --config.grpo.loss=grpo,
 --config.grpo.reward=path/to/file.py:my_reward (called as my_reward(completion, answer)), ...
 """
@@ -58,6 +58,8 @@ def get_config(arg: str | None = None):
     sft.set_task(config, keyed["task"])
   if "base" in keyed:
     sft.set_base(config, keyed["base"])
-  if "size" in keyed:
+  if "size" in keyed:  # the preset's model and layout, GRPO's adapters and batch
     lm.set_model(config, keyed["size"])
+    config.model.update(lora_rank=LORA_RANK, lora_alpha=2.0 * LORA_RANK, lora_dropout=0.0)
+    config.data.update(seq_len=1024, global_batch_size=8)
   return config

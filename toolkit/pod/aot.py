@@ -370,7 +370,7 @@ def _run_dict(config: ml_collections.ConfigDict, spec, shape) -> dict:
           "loss_chunk": model.loss_chunk, "loss_chunk_positions": shape.loss_chunk_positions,
           "z_loss": model.z_loss, "scan_layers": model.scan_layers, "mesh": dict(mesh.shape),
           "mesh_ici": config.mesh.ici, "mesh_dcn": config.mesh.dcn,
-          "preset": spec.rules.name, "global_batch_size": config.data.global_batch_size,
+          "preset": spec.rules.name, "global_batch_size": shape.global_batch_size,
           "seq_len": config.data.seq_len, "microbatches": config.train.microbatches,
           "lora_rank": getattr(model, "lora_rank", 0), "lora_targets": lora.targets(model),
           "trainable_params": (shape.param_count if shape.trainable_count is None

@@ -62,7 +62,7 @@ import math
 import sharding
 from models import LlamaConfig, lora
 from models import attention as attention_lib
-from toolkit.training import losses
+from toolkit.training import config as config_lib, losses
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -449,7 +449,7 @@ def shape_for(spec, config, report, num_slices: int = 1) -> Shape:
   param_count = sum(math.prod(r.shape) for r in report.rows)
   adapters = [r for r in report.rows if lora.is_adapter(r.path)]
   return Shape(model=spec.model, mesh_shape=dict(spec.mesh.shape), dcn_shape=dcn,
-               rules=spec.rules, global_batch_size=config.data.global_batch_size,
+               rules=spec.rules, global_batch_size=config_lib.rows_per_step(config, spec.task),
                seq_len=config.data.seq_len, microbatches=config.train.microbatches,
                param_bytes_per_device=report.per_device_bytes, param_count=param_count,
                platform=spec.mesh.devices.flat[0].platform,

@@ -195,18 +195,22 @@ class RolloutBatches:
 
 class _Iterator:
   """Batches from `start_step` on, each sampled when asked for (the loop asks after handing
-  the previous step's state to `observe`)."""
+  the previous step's state to `observe`). `work_seconds` is the time spent making them: the
+  loop counts it as the run's work (goodput's rollouts), not as waiting for data."""
 
   def __init__(self, batches: RolloutBatches, start_step: int):
     self.batches, self.step = batches, start_step
+    self.work_seconds = 0.0
 
   def __iter__(self):
     return self
 
   def __next__(self) -> dict[str, jax.Array]:
+    started = time.perf_counter()
     with jax.transfer_guard("allow"):  # sampling and scoring are deliberate host work
       batch = self.batches.place(self.batches.host_batch(self.step))
     self.step += 1
+    self.work_seconds += time.perf_counter() - started
     return batch
 
   def observe(self, state) -> None:

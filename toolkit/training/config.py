@@ -164,6 +164,13 @@ _TASK_OF_KIND = {"llama": "lm", "vit": "classification"}
 _POST_TRAINING = {"preference": "dpo", "prompts": "grpo"}
 
 
+def rows_per_step(config: ml_collections.ConfigDict, task: str) -> int:
+  """The rows one train step trains on: data.global_batch_size, which for GRPO counts prompts,
+  each with grpo.generations completions (a row each)."""
+  rows = config.data.global_batch_size
+  return rows * config.grpo.generations if task == "grpo" else rows
+
+
 def resolve(config: ml_collections.ConfigDict,
             devices: Sequence[jax.Device] | None = None) -> RunSpec:
   """Validates `config` against the devices; raises ConfigError or ShardingError."""

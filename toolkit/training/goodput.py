@@ -3,8 +3,10 @@
 The loop times its phases into one `Goodput`: start-up (validation, the workdir, restoring
 or creating the state), compile, steps (the train steps themselves), data wait (the loop
 blocked on the next batch), eval, checkpointing (saves, and waiting for the last one to
-finish) and other (what is left: plots, the sample at the end, logging). Productive time is
-the steps' time; the fraction is steps / wall time. One line at the end of every run and a
+finish) and other (what is left: plots, the sample at the end, logging). A run whose batches
+are its own work adds rollouts (GRPO sampling and scoring its batches from the model being
+trained), which would otherwise be data wait. Productive time is the steps' and the
+rollouts'; the fraction is that over the wall time. One line at the end of every run and a
 `"kind": "goodput"` record in metrics.jsonl (toolkit.training.metrics) carry it.
 
 Under `toolkit.supervise` a run is one attempt of a job that may have failed and restarted
@@ -30,6 +32,10 @@ PHASES = (("startup", "start-up"), ("compile", "compile"), ("steps", "steps"),
 # this attempt, each from the failure to the next attempt's first step, and the delay before
 # this one), steps_trained_again and steps_trained_again_s (the earlier restarts'), and
 # last_step (the last step the attempt before logged; 0 for the first).
+# Phases a run has only when it uses them (in the record and the line only then), and the
+# phases that count as productive.
+OPTIONAL_PHASES = (("rollouts", "rollouts"),)
+PRODUCTIVE = ("steps", "rollouts")
 JOB_ENV = "MESHKIT_JOB"
 _JOB_KEYS = ("attempt", "job_started_unix", "attempt_started_unix", "hang_detection_s",
              "restart_s", "steps_trained_again", "steps_trained_again_s", "last_step")
@@ -54,18 +60,20 @@ class Goodput:
       self.add(name, self._clock() - began)
 
   def add(self, name: str, seconds: float) -> None:
-    if name not in self.seconds:
-      raise KeyError(f"unknown phase {name!r}; one of {', '.join(self.seconds)}")
-    self.seconds[name] += seconds
+    if name not in self.seconds and name not in dict(OPTIONAL_PHASES):
+      names = [n for n, _ in PHASES + OPTIONAL_PHASES]
+      raise KeyError(f"unknown phase {name!r}; one of {', '.join(names)}")
+    self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
   def record(self) -> dict[str, float]:
     """The metrics.jsonl fields: `<phase>_seconds`, other_seconds, wall_seconds and
-    productive_fraction (steps / wall)."""
+    productive_fraction ((steps + rollouts) / wall)."""
     wall = self._clock() - self.start
     record = {f"{name}_seconds": seconds for name, seconds in self.seconds.items()}
     record["other_seconds"] = max(0.0, wall - sum(self.seconds.values()))
     record["wall_seconds"] = wall
-    record["productive_fraction"] = self.seconds["steps"] / wall if wall > 0 else 0.0
+    productive = sum(self.seconds.get(name, 0.0) for name in PRODUCTIVE)
+    record["productive_fraction"] = productive / wall if wall > 0 else 0.0
     return record
 
 
@@ -99,7 +107,10 @@ def job_fields(record: dict[str, float], start_step: int, final_step: int,
 def format_line(record: dict[str, float]) -> str:
   """`goodput 61.2% of 95.3 s wall: start-up 4.1 s, compile 12.0 s, steps 58.3 s, ...`, and
   the job's lifetime after it when `record` has `job_fields`."""
-  parts = [f"{label} {record[f'{name}_seconds']:.1f} s" for name, label in PHASES]
+  shown = [phase for name, label in PHASES  # the optional ones after the steps, when used
+           for phase in ((name, label), *(OPTIONAL_PHASES if name == "steps" else ()))]
+  parts = [f"{label} {record[f'{name}_seconds']:.1f} s"
+           for name, label in shown if f"{name}_seconds" in record]
   parts.append(f"other {record['other_seconds']:.1f} s")
   line = (f"goodput {record['productive_fraction']:.1%} of {record['wall_seconds']:.1f} s "
           "wall: " + ", ".join(parts))

@@ -45,8 +45,11 @@ class RunResult:
   eval_metrics: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
   confusion: np.ndarray | None = None  # classification: the last eval's confusion matrix
   # Seconds the loop spent waiting for the next batch, and in the steps' intervals in all
-  # (excluding eval and checkpoints): their ratio is the data-wait fraction of step time.
+  # (excluding eval and checkpoints): their ratio is the data-wait fraction of step time. A
+  # source whose batches are the run's own work (GRPO's rollouts: its iterator's
+  # `work_seconds`) has that time in rollout_seconds, not in the wait.
   data_wait_seconds: float = 0.0
+  rollout_seconds: float = 0.0
   step_seconds: float = 0.0
   # Stopped by a second SIGINT/SIGTERM: saved, then ended without plots, sample or goodput.
   interrupted: bool = False
@@ -317,18 +320,20 @@ def wait_for_previous_step(pending: list) -> None:
 
 
 class Interval:
-  """Wall time since the last restart, and how much of it the loop waited for batches."""
+  """Wall time since the last restart, how much of it the loop waited for batches, and how
+  much of that wait was the run's own work (an iterator's `work_seconds`: GRPO's rollouts)."""
 
   def __init__(self):
     self.restart()
 
   def restart(self) -> None:
-    self.start, self.data_wait = time.perf_counter(), 0.0
+    self.start, self.data_wait, self.work = time.perf_counter(), 0.0, 0.0
 
   def wait_for(self, batch_iter):
-    waiting = time.perf_counter()
+    waiting, work = time.perf_counter(), getattr(batch_iter, "work_seconds", 0.0)
     batch = next(batch_iter)
     self.data_wait += time.perf_counter() - waiting
+    self.work += getattr(batch_iter, "work_seconds", 0.0) - work
     return batch
 
 
@@ -339,9 +344,13 @@ def flush(run_: Run, pending: list, interval: Interval) -> None:
   fetched = jax.device_get([m for _, m in pending])
   seconds = time.perf_counter() - interval.start
   result = run_.result
-  result.data_wait_seconds += interval.data_wait
+  waited = max(0.0, interval.data_wait - interval.work)
+  result.data_wait_seconds += waited
+  result.rollout_seconds += interval.work
   result.step_seconds += seconds
-  fetched[-1]["data_wait_fraction"] = interval.data_wait / seconds if seconds > 0 else 0.0
+  fetched[-1]["data_wait_fraction"] = waited / seconds if seconds > 0 else 0.0
+  if interval.work:
+    fetched[-1]["rollout_fraction"] = interval.work / seconds if seconds > 0 else 0.0
   fetched[-1].update(metrics_lib.throughput(seconds / len(pending), run_.units_per_step,
                                             run_.flops_per_step, run_.peak_flops_total,
                                             run_.setup.task.unit))
@@ -456,8 +465,11 @@ def write_goodput(run_: Run) -> None:
   """The goodput line and its metrics.jsonl record; the steps' time and the data wait come
   from the intervals the progress lines measured."""
   result, goodput = run_.result, run_.goodput
-  goodput.add("steps", max(0.0, result.step_seconds - result.data_wait_seconds))
+  goodput.add("steps", max(0.0, result.step_seconds - result.data_wait_seconds
+                           - result.rollout_seconds))
   goodput.add("data_wait", result.data_wait_seconds)
+  if result.rollout_seconds:
+    goodput.add("rollouts", result.rollout_seconds)
   record = goodput.record()
   record.update(goodput_lib.job_fields(record, result.start_step, result.final_step,
                                        goodput.started_unix, time.time()))

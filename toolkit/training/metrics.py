@@ -49,13 +49,15 @@ def progress_line(step: int, total: int, metrics: dict[str, float], step_seconds
                   unit: str = "tok", units: Units = Units()) -> str:
   """`tokens_per_step` counts `unit`s (tokens, or images for a classifier); the loss is
   labelled with `units.loss`; a `data_wait_fraction` in `metrics` is shown as the share of step
-  time spent waiting for data."""
+  time spent waiting for data, a `rollout_fraction` as the share spent making the batch."""
   tokens_per_second = tokens_per_step / step_seconds if step_seconds > 0 else float("nan")
   parts = [f"step {step}/{total}", f"loss {metrics['loss']:.4f} {units.loss}",
            f"lr {metrics['learning_rate']:.2e}", f"grad_norm {metrics['grad_norm']:.3f}",
            f"step {step_seconds * 1000:.0f} ms", f"{tokens_per_second:,.0f} {unit}/s"]
   if "data_wait_fraction" in metrics:
     parts.append(f"data wait {metrics['data_wait_fraction']:.1%}")
+  if "rollout_fraction" in metrics:  # GRPO: sampling and scoring the step's batch
+    parts.append(f"rollouts {metrics['rollout_fraction']:.1%}")
   if peak_flops_total > 0:
     parts.append(f"MFU {flops_per_step / step_seconds / peak_flops_total:.1%}")
   parts.append(f"ETA {format_duration((total - step) * step_seconds)}")

@@ -97,7 +97,7 @@ def work_per_step(config: ml_collections.ConfigDict, setup: Setup) -> tuple[int,
     tokens = config.data.global_batch_size * config.data.seq_len
     return tokens, model_cfg.flops_per_token(config.data.seq_len) * tokens
   if setup.task.name == "grpo":  # the trained rows; the rollouts' decoding is not counted
-    tokens = config.data.global_batch_size * config.grpo.generations * config.data.seq_len
+    tokens = config_lib.rows_per_step(config, "grpo") * config.data.seq_len
     reference = 4 / 3 if config.grpo.beta else 1
     return tokens, model_cfg.flops_per_token(config.data.seq_len) * tokens * reference
   if setup.task.name == "dpo":  # two rows a pair; the base as reference adds a forward pass

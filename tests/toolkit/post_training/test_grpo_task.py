@@ -60,6 +60,13 @@ def test_a_run_on_8_devices_trains_as_on_one(tmp_path):
     assert set(result.eval_metrics[0]) == {"reward", "solved", "prompts"}
     assert result.eval_metrics[STEPS]["prompts"] == 256  # the task's held-out split
   assert sharded.eval_metrics[STEPS] == one.eval_metrics[STEPS]
+  # The rollouts are the run's work: goodput counts them as productive, not as data wait.
+  lines = [json.loads(line) for line in open(tmp_path / "sharded" / "metrics.jsonl")]
+  record = next(r for r in lines if r["kind"] == "goodput")
+  assert record["rollouts_seconds"] > record["data_wait_seconds"]
+  assert record["productive_fraction"] == pytest.approx(
+      (record["steps_seconds"] + record["rollouts_seconds"]) / record["wall_seconds"])
+  assert all(0 < a[step]["rollout_fraction"] < 1 for step in a)
 
 
 def test_a_stopped_run_resumes_with_the_same_rollouts(tmp_path):
@@ -116,3 +123,14 @@ def test_the_kl_penalty_needs_adapters():
 def test_a_reward_that_does_not_load_is_one_error(spec, words):
   with pytest.raises(ConfigError, match=words):
     grpo.load_reward(spec)
+
+
+def test_the_pod_scale_variant_trains_adapters_on_prompts_times_generations_rows():
+  """experiments/grpo.py:size=8b, what toolkit.compile reports (docs/post_training.md): the
+  adapters, and a step of 8 prompts x 8 completions, which the analytic estimate counts as the
+  compiled step does (PromptSource's shapes)."""
+  config = grpo_experiment.get_config("size=8b")
+  assert (config.model.lora_rank, config.data.seq_len, config.data.global_batch_size) == (
+      grpo_experiment.LORA_RANK, 1024, 8)
+  assert config_lib.rows_per_step(config, "grpo") == 8 * config.grpo.generations == 64
+  assert config_lib.rows_per_step(config, "lm") == 8

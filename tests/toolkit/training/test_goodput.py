@@ -38,6 +38,23 @@ def test_phases_other_and_fraction_from_a_known_timeline():
       "data wait 1.0 s, eval 3.0 s, checkpointing 2.0 s, other 6.0 s")
 
 
+def test_rollouts_count_as_productive_and_show_only_when_a_run_has_them():
+  clock = Clock()
+  goodput = goodput_lib.Goodput(clock)
+  goodput.add("steps", 10.0)
+  goodput.add("rollouts", 15.0)   # GRPO sampling its batches: work, not data wait
+  goodput.add("data_wait", 0.5)
+  clock.now += 50.0
+  record = goodput.record()
+  assert record["rollouts_seconds"] == 15.0
+  assert record["other_seconds"] == 24.5
+  assert record["productive_fraction"] == pytest.approx(25.0 / 50.0)
+  assert goodput_lib.format_line(record) == (
+      "goodput 50.0% of 50.0 s wall: start-up 0.0 s, compile 0.0 s, steps 10.0 s, "
+      "rollouts 15.0 s, data wait 0.5 s, eval 0.0 s, checkpointing 0.0 s, other 24.5 s")
+  assert "rollouts_seconds" not in _record()
+
+
 def test_a_phase_that_raises_still_counts_and_unknown_phases_are_refused():
   clock = Clock()
   goodput = goodput_lib.Goodput(clock)
