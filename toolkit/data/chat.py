@@ -123,6 +123,18 @@ def parquet_records(path: str) -> Iterator[tuple[str, dict]]:
       yield f"{path} row {row}", record
 
 
+def records(path: str) -> Iterator[tuple[str, dict]]:
+  """(where, record) of every record in a JSONL or Parquet file (preference pairs, prompts)."""
+  if path.endswith(".parquet"):
+    yield from parquet_records(path)
+    return
+  for where, line in text.jsonl_lines(path):
+    try:
+      yield where, json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+
+
 def _parquet(path: str) -> Iterator[Conversation]:
   for where, record in parquet_records(path):
     yield Conversation(parse_record(record, where), where)

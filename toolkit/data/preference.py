@@ -38,13 +38,12 @@ forward pass.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from toolkit.data import chat, instruct, keys, text
+from toolkit.data import chat, instruct, keys
 from toolkit.data.chat_template import ChatTokenizer
 from toolkit.data.feed import BatchIterator, Position, local_rows, step_iterator
 from toolkit.errors import ConfigError
@@ -95,18 +94,6 @@ def parse_record(record, where: str) -> Pair:
   return pair
 
 
-def _records(path: str):
-  """(where, record) of every pair in a JSONL or Parquet file."""
-  if path.endswith(".parquet"):
-    yield from chat.parquet_records(path)
-    return
-  for where, line in text.jsonl_lines(path):
-    try:
-      yield where, json.loads(line)
-    except json.JSONDecodeError as e:
-      raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-
-
 def synthetic_pairs(name: str, split: str, count: int = instruct.TRAIN) -> list[Pair]:
   """Task `name`'s instructions of `split` as pairs: chosen the right answer, rejected the
   answer of the next instruction in the split that answers differently."""
@@ -128,7 +115,7 @@ def read_pairs(spec: str, field: str = "data.path", split: str = "train") -> lis
   if task is not None:
     return synthetic_pairs(task[0], split, task[1])
   found = [parse_record(record, where) for path in chat.data_files(spec, field)
-           for where, record in _records(path)]
+           for where, record in chat.records(path)]
   if not found:
     raise ConfigError(f"{field}={spec!r} holds no preference pairs")
   return found

@@ -19,13 +19,12 @@ Order. `PromptOrder.indices(step)` gives the prompts of batch `step`: a pure fun
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from toolkit.data import chat, instruct, keys, text
+from toolkit.data import chat, instruct, keys
 from toolkit.data.chat_template import ChatTokenizer
 from toolkit.errors import ConfigError
 
@@ -52,17 +51,6 @@ def parse_record(record, where: str) -> Prompt:
   return Prompt(messages, record.get("answer"), where)
 
 
-def _records(path: str):
-  if path.endswith(".parquet"):
-    yield from chat.parquet_records(path)
-    return
-  for where, line in text.jsonl_lines(path):
-    try:
-      yield where, json.loads(line)
-    except json.JSONDecodeError as e:
-      raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-
-
 def read_prompts(spec: str, field: str = "data.path", split: str = "train") -> list[Prompt]:
   """Every prompt of `spec` (files, or `synthetic:NAME`'s `split`), in file order."""
   task = instruct.parse(spec)
@@ -73,7 +61,7 @@ def read_prompts(spec: str, field: str = "data.path", split: str = "train") -> l
       found.append(Prompt(messages, answer, f"synthetic:{task[0]} {split} #{i}"))
     return found
   found = [parse_record(record, where) for path in chat.data_files(spec, field)
-           for where, record in _records(path)]
+           for where, record in chat.records(path)]
   if not found:
     raise ConfigError(f"{field}={spec!r} holds no prompts")
   return found
