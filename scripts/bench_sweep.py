@@ -1,13 +1,13 @@
 """Benchmark: a population of K trials in one program against K single-trial runs.
 
   python scripts/bench_sweep.py                  # the CPU LM, K=8, 8 simulated devices
-  python scripts/bench_sweep.py --quick          # the tiny model: seconds, the smoke test
+  python scripts/bench_sweep.py --quick          # the tiny model: ~2 min on 2 cores, the smoke test
 
 Two measurements, on the experiment's sweep (`experiments/lm.py` get_sweep):
   1. step time: the K-trial population step (trial axis split over a `population` mesh axis)
      against K x the step of one trial trained alone on all the devices (its experiment mesh);
      median of rounds that alternate the two, after warm-up. Target: ratio <= 0.5.
-  2. sweep wall time: the same K-trial sweep (`toolkit.tuning.runner.run`, --sweep_steps steps each,
+  2. sweep wall time: the experiment's whole sweep (`toolkit.tuning.runner.run`, --sweep_steps steps each,
      compiles, evals and checkpoints included) in population mode and in process mode (K runs
      at once on disjoint device subsets).
 """
@@ -34,8 +34,8 @@ _SWEEP_STEPS = flags.DEFINE_integer("sweep_steps", 30, "Steps per trial in the w
 _AXIS = flags.DEFINE_integer("population_axis", 0, "Size of the population mesh axis (0: the "
                              "largest that fits, one trial per device group).")
 _JSON = flags.DEFINE_string("json", "", "Write the results as JSON to this path.")
-_QUICK = flags.DEFINE_bool("quick", False, "The tiny sweep's first 2 trials, 1 round of 2 "
-                           "steps, 4-step sweeps (the smoke test).")
+_QUICK = flags.DEFINE_bool("quick", False, "The tiny sweep: its first 2 trials' step time, 1 "
+                           "round of 2 steps; its 4 trials in 4-step sweeps (the smoke test).")
 
 TARGET_RATIO = 0.5
 
@@ -100,6 +100,7 @@ def sweep_times(sweep_arg: str, trials: int, steps: int) -> dict:
       result = sweep_lib.run(sweep_arg, workdir, mode=mode, max_concurrent=trials,
                              fixed=fixed, log=lambda line: None)
       seconds = time.perf_counter() - start
+      out["trials"] = len(result.results)  # the whole sweep: --trials counts the step part's
       out[mode] = {"seconds": seconds, "best_final_eval_loss": result.best.final_eval_loss,
                    "final_eval_losses": [r.final_eval_loss for r in result.results]}
       print(f"{mode}: {len(result.results)} trials x {steps} steps in {seconds:.1f} s", flush=True)
@@ -131,7 +132,7 @@ def main(argv) -> None:
   if sweep_steps:
     results["sweep"] = sweep_times(sweep_arg, trials, sweep_steps)
     w = results["sweep"]
-    print(f"\n| {trials} trials x {sweep_steps} steps | wall time |\n|---|---|\n"
+    print(f"\n| {w['trials']} trials x {sweep_steps} steps | wall time |\n|---|---|\n"
           f"| population mode | {w['population']['seconds']:.1f} s |\n"
           f"| process mode | {w['processes']['seconds']:.1f} s |\n"
           f"| ratio | {w['ratio']:.2f} |", flush=True)
