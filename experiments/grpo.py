@@ -2,14 +2,20 @@
 completions the model samples itself, each scored by `exact_match` against the task's answer
 (toolkit/post_training/grpo.py, toolkit/training/grpo.py; docs/post_training.md).
 
-  python -m toolkit.train --config=experiments/grpo.py:cpu,base=runs/sft_repeat_hf \\
+  python -m toolkit.train --config=experiments/sft.py:cpu,base=runs/lm_cpu_hf \\
+      --config.train.steps=220 --config.optimizer.schedule_steps=400 --workdir=runs/sft_repeat_220
+  python -m toolkit.convert export --workdir=runs/sft_repeat_220 --out=runs/sft_repeat_220_hf
+  python -m toolkit.train --config=experiments/grpo.py:cpu,base=runs/sft_repeat_220_hf \\
       --workdir=runs/grpo_repeat
 
-where runs/sft_repeat_hf is a chat model exported from a short run of experiments/sft.py
-(`python -m toolkit.convert export --workdir=runs/sft_repeat --out=runs/sft_repeat_hf`): GRPO
-learns from the completions of a group that score above the others, so the model must answer
-some prompts right to begin with. The eval line gives the held-out prompts' mean reward,
-answered greedily.
+The base is experiments/sft.py's full fine-tune of the demo's model stopped at step 220 of its
+400 (runs/lm_cpu_hf: `make demo`'s checkpoint exported): GRPO learns from the completions of a
+group that score above the others, so the model must answer some prompts right to begin with.
+The documented result (tests/test_documented_results.py): held-out exact match, answered
+greedily, from <= 45 % before to >= 50 % after 200 steps, and at least 20 points above where
+it started, on each of seeds 0, 1, 2 (measured 32.0 % before; 82.8, 80.5 and 70.7 % after, 60.5 and 62.5 % on seeds 3 and 4;
+~2 min a run on 2 cores, ~93 % of it sampling the rollouts). The eval line gives the held-out
+prompts' mean reward and the share solved.
 
 Variants after the colon, comma separated:
   cpu          (default) the CPU LM (byte-level), 8 prompts x 8 completions a step, 200 steps
@@ -44,10 +50,13 @@ def get_config(arg: str | None = None):
   config.data.update(source="prompts", path="synthetic:repeat", tokenizer="bytes",
                      chat_template=sft.BYTE_TEMPLATE, seq_len=32, global_batch_size=8)
   config.grpo.update(reward="experiments.grpo:exact_match", generations=8, max_tokens=8,
-                     temperature=1.0)
+                     temperature=0.7)
   config.mesh.ici = "data:1,fsdp:1,tensor:1"  # on a CPU simulated devices share its cores
   config.sharding.preset = "fsdp"
-  config.optimizer.update(learning_rate=1e-3, warmup_steps=10, weight_decay=0.0)
+  # Measured from the step-220 base above on seed 0: at learning rate 1e-3 and temperature
+  # 1.0, 32.0 % -> 52.7 % at step 200 (the rollouts' mean reward ~0.2: most groups score the
+  # same and teach nothing); at 3e-3 and 0.7, 82.8 %.
+  config.optimizer.update(learning_rate=3e-3, warmup_steps=10, weight_decay=0.0)
   config.train.update(steps=200, sample_tokens=0, log_every=10, eval_every=50,
                       checkpoint_every=100)
   if variant == "tiny":

@@ -89,7 +89,8 @@ RUNS_APART = "tests/test_documented_results.py"
 SHARED_RUNS = {"test_lm_demo_bits_per_byte": "lm_demo",
                "test_sft_learns_to_repeat_words_on_three_seeds": "lm_demo",
                "test_dpo_prefers_the_right_word_on_three_seeds": "lm_demo",
-               "test_int8_weights_agree_with_bfloat16_on_the_demo_model": "lm_demo"}
+               "test_int8_weights_agree_with_bfloat16_on_the_demo_model": "lm_demo",
+               "test_grpo_raises_exact_match_on_three_seeds": "lm_demo"}
 DOC_COMMANDS = "tests/test_doc_commands.py"
 # Units handed out first, longest first: xdist queues units by their number of tests, which put
 # the demo and the fine-tunes (3 tests, ~11 minutes on quiet cores, twice that on busy ones)

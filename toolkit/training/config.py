@@ -166,9 +166,10 @@ _POST_TRAINING = {"preference": "dpo", "prompts": "grpo"}
 
 def rows_per_step(config: ml_collections.ConfigDict, task: str) -> int:
   """The rows one train step trains on: data.global_batch_size, which for GRPO counts prompts,
-  each with grpo.generations completions (a row each)."""
+  each with grpo.generations completions (a row each), and for DPO pairs (two rows each, both
+  sides in one forward pass)."""
   rows = config.data.global_batch_size
-  return rows * config.grpo.generations if task == "grpo" else rows
+  return rows * {"grpo": config.grpo.generations, "dpo": 2}.get(task, 1)
 
 
 def resolve(config: ml_collections.ConfigDict,

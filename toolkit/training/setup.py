@@ -101,7 +101,7 @@ def work_per_step(config: ml_collections.ConfigDict, setup: Setup) -> tuple[int,
     reference = 4 / 3 if config.grpo.beta else 1
     return tokens, model_cfg.flops_per_token(config.data.seq_len) * tokens * reference
   if setup.task.name == "dpo":  # two rows a pair; the base as reference adds a forward pass
-    tokens = 2 * config.data.global_batch_size * config.data.seq_len
+    tokens = config_lib.rows_per_step(config, "dpo") * config.data.seq_len
     base = not getattr(setup.batches, "precomputed_reference", False)
     return tokens, model_cfg.flops_per_token(config.data.seq_len) * tokens * (4 / 3 if base
                                                                              else 1)

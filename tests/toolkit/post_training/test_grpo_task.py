@@ -134,3 +134,4 @@ def test_the_pod_scale_variant_trains_adapters_on_prompts_times_generations_rows
       grpo_experiment.LORA_RANK, 1024, 8)
   assert config_lib.rows_per_step(config, "grpo") == 8 * config.grpo.generations == 64
   assert config_lib.rows_per_step(config, "lm") == 8
+  assert config_lib.rows_per_step(config, "dpo") == 16  # pairs: both sides in one pass

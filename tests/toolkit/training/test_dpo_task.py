@@ -50,6 +50,18 @@ def test_sharded_and_micro_batched_steps_equal_one_device(sharded):
     assert_trees_close(other_params, params, **TOLERANCE)
 
 
+def test_the_estimate_counts_the_rows_the_step_trains_on(sharded):
+  """The analytic estimate and the compile report count a step's rows as its batches hold them:
+  two a pair (toolkit.training.config.rows_per_step)."""
+  _, _, setup = sharded
+  shapes = {a.shape for a in setup.batches.abstract().values() if len(a.shape) == 3}
+  assert len(shapes) == 1
+  pairs, sides, _ = shapes.pop()
+  config = _config()
+  assert (pairs, sides) == (config.data.global_batch_size, 2)
+  assert config_lib.rows_per_step(config, "dpo") == pairs * sides
+
+
 def _without_adapters(tree):
   return {key: _without_adapters(value) if isinstance(value, dict) else value
           for key, value in tree.items() if not key.startswith("lora_")}
