@@ -14,7 +14,7 @@ group that score above the others, so the model must answer some prompts right t
 The documented result (tests/test_documented_results.py): held-out exact match, answered
 greedily, from <= 45 % before to >= 50 % after 200 steps, and at least 20 points above where
 it started, on each of seeds 0, 1, 2 (measured 32.0 % before; 82.8, 80.5 and 70.7 % after, 60.5 and 62.5 % on seeds 3 and 4;
-~2 min a run on 2 cores, ~93 % of it sampling the rollouts). The eval line gives the held-out
+~1.5-2 min a run on 2 cores, ~40 % of it sampling the rollouts). The eval line gives the held-out
 prompts' mean reward and the share solved.
 
 Variants after the colon, comma separated:

@@ -111,8 +111,11 @@ class RolloutBatches:
         f"{s.epsilon_high}, advantages scaled by {s.scale_rewards}")])
 
   def observe(self, state) -> None:
-    """The state the next batch is sampled from."""
-    self._params = state["params"]
+    """The state the next batch is sampled from. Returns once its parameters are computed: the
+    loop calls it right after dispatching a step, so the step's compute counts as step time,
+    not as the next rollout's, which waits for those parameters (the CPU variant's log said
+    rollouts 92 % of each step where sampling alone is ~55 %)."""
+    self._params = jax.block_until_ready(state["params"])
 
   def iterator(self, start_step: int, position: dict | None = None, prefetch: int = 0):
     del position, prefetch  # a batch needs the previous step's parameters: nothing ahead

@@ -8,6 +8,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -67,6 +68,18 @@ def test_a_run_on_8_devices_trains_as_on_one(tmp_path):
   assert record["productive_fraction"] == pytest.approx(
       (record["steps_seconds"] + record["rollouts_seconds"]) / record["wall_seconds"])
   assert all(0 < a[step]["rollout_fraction"] < 1 for step in a)
+
+
+def test_the_state_to_sample_from_is_computed_before_observe_returns():
+  """The loop observes a step's state right after dispatching it: the wait for its compute
+  is the step's time, not the next rollout's (goodput and the rollouts' line split them)."""
+  config = _config("data:1,fsdp:1,tensor:1", "fsdp")
+  setup = training.build(config, devices=jax.devices()[:1])
+  batches = grpo.batches_for(config, log=lambda line: None)(setup)
+  slow = jax.jit(lambda x: jax.lax.fori_loop(0, 200, lambda _, y: jnp.tanh(y @ y), x))
+  params = {"w": slow(jnp.ones((512, 512)))}  # dispatched, ~0.5 s of compute to come
+  batches.observe({"params": params})
+  assert params["w"].is_ready()
 
 
 def test_a_stopped_run_resumes_with_the_same_rollouts(tmp_path):
