@@ -101,6 +101,8 @@ def cpu_run_reason(log: Callable[[str], None] = print) -> str | None:
   import jax  # pylint: disable=g-import-not-at-top
   chosen = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS")
   if chosen:
+    if chosen == "cpu" and not jax.config.jax_platforms:  # set after JAX read it, at import
+      jax.config.update("jax_platforms", "cpu")
     return "no TPU or GPU here" if chosen == "cpu" else None
   if nvidia_gpu_without_cuda_plugin():
     log(NO_CUDA_PLUGIN)

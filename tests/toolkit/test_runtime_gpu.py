@@ -94,6 +94,17 @@ def test_the_users_platform_wins_on_a_gpu_without_the_plugin(monkeypatch, before
   assert lines == [] and before_jax_starts == {}
 
 
+def test_the_cpu_named_in_the_environment_after_jax_started_is_pinned(monkeypatch,
+                                                                      before_jax_starts):
+  """A script that sets JAX_PLATFORMS=cpu itself, in a process that imported JAX before (a
+  notebook, a forked test process): JAX read the variable at import, so the pin goes to its
+  config too (else its first array would probe for a TPU and load libtpu)."""
+  fake_machine(monkeypatch, nvidia_gpu=False, cuda_plugin=False)
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  assert runtime.cpu_run_reason(log=print) == "no TPU or GPU here"
+  assert before_jax_starts == {"jax_platforms": "cpu"}
+
+
 def test_the_cuda_plugin_is_found_where_jax_looks(monkeypatch, tmp_path):
   """JAX registers its "cuda" backend from the jax_plugins.xla_cuda12 (or 13) module the
   jax-cuda12-pjrt wheel installs, or from PJRT_NAMES_AND_LIBRARY_PATHS."""
