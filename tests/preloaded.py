@@ -142,7 +142,7 @@ class _Server:
     os.rmdir(self.folder)
 
 
-_servers: list[_Server] = []
+_servers: dict[tuple, _Server] = {}
 _LOCK = threading.Lock()
 
 
@@ -150,20 +150,23 @@ def _read_at_import(env: Mapping[str, str]) -> dict[str, str]:
   return {k: v for k, v in env.items() if k.startswith(_READ_AT_IMPORT)}
 
 
-def _server_for(env: Mapping[str, str]) -> _Server | None:
-  """The server (started on first use, in `_BASE_ENV`), or None when `env` differs from
-  `_BASE_ENV` in a variable read at import: that needs a fresh interpreter."""
-  if _read_at_import(env) != _read_at_import(_BASE_ENV):
+def _server_for(env: Mapping[str, str], own: bool = False) -> _Server | None:
+  """The server (started on first use, in `_BASE_ENV`), or when `env` differs from `_BASE_ENV`
+  in a variable read at import: None (that needs a fresh interpreter), or with `own` a server
+  that imported in `env` itself (started on first use and kept, one per such environment: for
+  a caller whose many commands share one environment, such as the documented commands')."""
+  key, base = (tuple(sorted(_read_at_import(e).items())) for e in (env, _BASE_ENV))
+  if key != base and not own:
     return None
   with _LOCK:
-    if not _servers:
-      _servers.append(_Server(_BASE_ENV))
-    return _servers[0]
+    if key not in _servers:
+      _servers[key] = _Server(_BASE_ENV if key == base else env)
+    return _servers[key]
 
 
 @atexit.register
 def _stop_all() -> None:
-  for server in _servers:
+  for server in _servers.values():
     server.stop()
 
 
@@ -183,15 +186,15 @@ def _command(module: str | None, code: str | None, script: str | None) -> list[s
 def start(module: str | None = None, args: Sequence[Argument] = (), *,
           cwd: str | os.PathLike = REPO, env: Mapping[str, str] | None = None,
           code: str | None = None, script: str | None = None, stdout=None, stderr=None,
-          text: bool = False, fresh: bool = False):
+          text: bool = False, fresh: bool = False, own_server: bool = False):
   """Starts `python -m module *args` (or `python -c code *args`, `python script *args`) like
   `subprocess.Popen`; `stdout`/`stderr` are `subprocess.PIPE` (read as text with `text`), a
   file object or None (the caller's), and `stderr` may be `subprocess.STDOUT`. Returns a
-  `Process`, or a `subprocess.Popen` when `fresh` or the environment needs a new
-  interpreter."""
+  `Process`, or a `subprocess.Popen` when `fresh` or the environment needs a new interpreter
+  (with `own_server`, a server preloaded in that environment instead: `_server_for`)."""
   env = dict(os.environ if env is None else env)
   command = _command(module, code, script)
-  server = None if fresh else _server_for(env)
+  server = None if fresh else _server_for(env, own_server)
   if server is None:
     return subprocess.Popen(command + list(args), cwd=cwd, env=env, stdout=stdout,
                             stderr=stderr, text=text)
@@ -224,13 +227,13 @@ def start(module: str | None = None, args: Sequence[Argument] = (), *,
 def run(module: str | None = None, args: Sequence[Argument] = (), *, timeout: float,
         cwd: str | os.PathLike = REPO, env: Mapping[str, str] | None = None,
         code: str | None = None, script: str | None = None, text: bool = True,
-        fresh: bool = False) -> subprocess.CompletedProcess:
+        fresh: bool = False, own_server: bool = False) -> subprocess.CompletedProcess:
   """`subprocess.run(..., capture_output=True, timeout=timeout, check=False)` for
   `python -m module *args` (or `-c code`, `script`): stdout and stderr as text (or bytes with
   `text=False`). A command still running at `timeout` is killed and TimeoutExpired raised."""
   with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
     process = start(module, args, cwd=cwd, env=env, code=code, script=script, stdout=out,
-                    stderr=err, fresh=fresh)
+                    stderr=err, fresh=fresh, own_server=own_server)
     try:
       returncode = process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -1,6 +1,9 @@
 """Every command in README.md, docs/*.md and the module docstrings runs as pasted.
 
-scripts/doc_commands.py extracts them; each runs here in bash, in a fresh folder that holds
+scripts/doc_commands.py extracts them; each runs here in bash (a `python -m ...` or `python
+SCRIPT.py ...` command of the slow half: in a process forked from one that has imported the
+toolkit in the same environment, tests/preloaded.py, ~4 s less each; the default suite's in new
+interpreters), in a fresh folder that holds
 the repository's experiments/ and scripts/ and the input files the docs assume (text files,
 prompts, images), with the environment of a new CPU-only shell: no JAX_PLATFORMS and no
 device count in XLA_FLAGS (the commands choose the CPU and simulate their devices
@@ -33,6 +36,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -45,6 +49,8 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 import doc_commands  # noqa: E402  pylint: disable=wrong-import-position
+
+from tests import preloaded  # noqa: E402  pylint: disable=wrong-import-position
 
 COMMAND_TIMEOUT_S = 420
 SERVER_START_TIMEOUT_S = 300
@@ -63,8 +69,14 @@ SKIP = {
     r"^python scripts/bench_\w+\.py\s*(#|$)": "a full benchmark (minutes); its --quick run "
                                                "is here",
     r"calibrate_cpu\.py\s+#": "the full calibration (~10 min); --quick is here",
-    r"bench_step\.py --devices=1": "a full benchmark (minutes) on one device; --quick is here",
-    r"bench_moe\.py --size=cpu": "the full benchmark at the CPU sizes (~3 min); --quick is here",
+    r"bench_moe\.py --quick": "tests/scripts/test_bench_moe.py runs it (with --json) and "
+                              "checks its table",
+    r"bench_step\.py --quick": "tests/scripts/test_bench_step.py runs it (with --json) and "
+                               "checks its numbers",
+    r"bench_step\.py --devices=1": "a full benchmark (minutes) on one device; its --quick run: "
+                                   "tests/scripts/test_bench_step.py",
+    r"bench_moe\.py --size=cpu": "the full benchmark at the CPU sizes (~3 min); its --quick "
+                                 "run: tests/scripts/test_bench_moe.py",
     r"python scripts/bench_checkpoint\.py\s+#": "the full benchmark (the demo, then the 7b "
                                                  "fingerprints, ~1.5 min); --quick is here",
     r"bench_train\.py --baseline=/tmp/base": "trains in two checkouts (minutes), the second a "
@@ -311,14 +323,43 @@ def _env() -> dict[str, str]:
   return env
 
 
+def _python_command(text: str) -> tuple[dict[str, str], dict[str, str], list[str]] | None:
+  """(NAME=VALUE settings, {"module": ...} or {"script": ...}, arguments) of a command that is
+  one `python -m MODULE ...` or `python SCRIPT.py ...`, or None for anything else a shell must
+  interpret (pipes, lists of commands, redirections, variables, globs)."""
+  one = text.replace("\\\n", " ")
+  if re.search(r"[|&;<>`$()*?\n]", one):
+    return None
+  words = shlex.split(one, comments=True)
+  settings = {}
+  while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+    name, _, value = words.pop(0).partition("=")
+    settings[name] = value
+  if len(words) >= 3 and words[:2] == ["python", "-m"]:
+    return settings, {"module": words[2]}, words[3:]
+  if len(words) >= 2 and words[0] == "python" and words[1].endswith(".py"):
+    return settings, {"script": words[1]}, words[2:]
+  return None
+
+
 def _run(text: str, kind: str, cwd: pathlib.Path,
-         where: str = "") -> subprocess.CompletedProcess:
-  """Runs a command as pasted. With DOC_COMMANDS_REPORT=FILE in the environment, appends
-  {where, command, exit, seconds} to FILE as one JSON line (the table of a fresh clone's run)."""
-  argv = [sys.executable, "-c", text] if kind == "python" else ["bash", "-c", text]
+         where: str = "", fresh: bool = False) -> subprocess.CompletedProcess:
+  """Runs a command as pasted. A `python` command (a snippet, `python -m ...`, `python
+  SCRIPT.py ...`) runs in a process forked from one that has imported the toolkit in this
+  shell's environment (tests/preloaded.py: ~4 s less per command than a new interpreter's
+  imports; `fresh` for a new interpreter, as the default suite's commands run), the rest in
+  bash. With DOC_COMMANDS_REPORT=FILE in the environment, appends {where, command, exit,
+  seconds} to FILE as one JSON line (the table of a fresh clone's run)."""
   start = time.monotonic()
-  result = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True,
-                          timeout=COMMAND_TIMEOUT_S, check=False)
+  python = _python_command(text) if kind == "shell" else ({}, {"code": text}, [])
+  if python is None or fresh:
+    argv = [sys.executable, "-c", text] if kind == "python" else ["bash", "-c", text]
+    result = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True,
+                            timeout=COMMAND_TIMEOUT_S, check=False)
+  else:
+    settings, what, args = python
+    result = preloaded.run(**what, args=args, cwd=cwd, env=_env() | settings,
+                           timeout=COMMAND_TIMEOUT_S, own_server=True)
   report = os.environ.get("DOC_COMMANDS_REPORT")
   if report:
     with open(report, "a", encoding="utf-8") as f:
@@ -362,7 +403,8 @@ def _ensure_inputs(text: str, workspace: pathlib.Path) -> None:
       continue
     _ensure_inputs(producer.text, workspace)
     runnable = _runnable(producer.text, workspace, _free_port(), producer.kind)
-    _check(_run(runnable, producer.kind, workspace, producer.where), producer, runnable)
+    _check(_run(runnable, producer.kind, workspace, producer.where,
+                _in_default_suite(producer)), producer, runnable)
 
 
 def _serve(case, workspace: pathlib.Path) -> None:
@@ -380,7 +422,7 @@ def _serve(case, workspace: pathlib.Path) -> None:
     assert lines[-1].startswith("serving on"), f"{case[0].where}: no server\n{''.join(lines)}"
     for client in case[1:]:
       text = _runnable(client.text, workspace, port, client.kind)
-      result = _run(text, client.kind, workspace, client.where)
+      result = _run(text, client.kind, workspace, client.where, _in_default_suite(client))
       _check(result, client, text)
       if text.startswith("curl"):
         assert result.stdout.strip(), f"{client.where}: empty reply"
@@ -427,6 +469,23 @@ def test_the_docs_show_commands():
   assert not shared, f"documented training runs that share a workdir: {shared}"
 
 
+def test_a_python_command_runs_forked_from_a_process_preloaded_in_the_shells_environment():
+  assert _python_command("XLA_FLAGS=--a=1 python -m toolkit.train --b=2 \\\n  --c='d e'  # f") \
+      == ({"XLA_FLAGS": "--a=1"}, {"module": "toolkit.train"}, ["--b=2", "--c=d e"])
+  assert _python_command("python scripts/seeds.py --seeds=0,1") == (
+      {}, {"script": "scripts/seeds.py"}, ["--seeds=0,1"])
+  for shell in ("python -m toolkit.train | tail -1", "python a.py && python b.py",
+                "python -m toolkit.x --out=$HOME", "curl -s http://127.0.0.1:1/", "make demo"):
+    assert _python_command(shell) is None, shell
+  # The shell's environment has no JAX_PLATFORMS (the suite's has "cpu"): the process the
+  # command is forked from imported JAX without it too, as a new interpreter would.
+  result = preloaded.run(code="import os, sys; preloaded = 'toolkit.training' in sys.modules; "
+                         "import jax; print(preloaded, os.environ.get('JAX_PLATFORMS'), "
+                         "jax.config.jax_platforms)", env=_env(), timeout=COMMAND_TIMEOUT_S,
+                         own_server=True)
+  assert (result.returncode, result.stdout) == (0, "True None None\n"), result.stderr
+
+
 @pytest.mark.parametrize("case", [_param(case) for case in _cases()])
 def test_documented_command_runs(case, workspace):
   reason = _skip_reason(case[0].text)
@@ -437,4 +496,5 @@ def test_documented_command_runs(case, workspace):
     _serve(case, workspace)
     return
   text = _runnable(case[0].text, workspace, _free_port(), case[0].kind)
-  _check(_run(text, case[0].kind, workspace, case[0].where), case[0], text)
+  _check(_run(text, case[0].kind, workspace, case[0].where, _in_default_suite(case[0])),
+         case[0], text)
