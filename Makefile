@@ -53,8 +53,8 @@ test-all: $(VENV)/.installed-test
 
 # The newest-deps job: Python 3.12 with the newest release of every dependency, the tests
 # marked smoke (train, resume, sharded == unsharded, Grain's batches, HF parity, a TPU compile,
-# one served request). scripts/ci_newest.sh creates its own .venv-newest; .ci/run installs it
-# beside the two halves and runs its smoke tests last.
+# one served request). scripts/ci_newest.sh creates its own .venv-newest; .ci/run runs it beside
+# the two halves at a low priority.
 test-newest:
 	bash scripts/ci_newest.sh
 
