@@ -11,6 +11,13 @@ checkpoint, up to --max_restarts times; each restart is one `[supervise]` line (
 then the time to recover and the steps lost), and the last line sums the job's lifetime. A
 mistake (exit 2, or a failure before the first step) is not retried. Ctrl-C stops the job
 after a step with a checkpoint, without a restart. toolkit/pod/supervisor.py has the rules.
+
+With --hosts_file=PATH (one line per host; a local pod runs one process per line, up to
+--processes) the job is elastic: after a failure, while the file lists fewer hosts than
+--processes, the supervisor waits up to --replace_timeout_s for a replacement, then restarts on
+the hosts listed (the largest job the config's mesh fits, the same global batch in more
+micro-batches, from the newest checkpoint), and grows back onto every host when the file lists
+them again (toolkit/pod/elastic.py).
 """
 from __future__ import annotations
 
@@ -32,6 +39,12 @@ def cli() -> None:
                                        "before the supervisor gives up.", lower_bound=0)
   delay_flag = flags.DEFINE_float("restart_delay_s", 1.0, "Seconds between a failure and the "
                                   "restart.", lower_bound=0.0)
+  hosts_flag = flags.DEFINE_string("hosts_file", None, "A file listing the job's hosts, one "
+                                   "per line, read at each restart: run on those listed "
+                                   "(elastic); unset: always on --processes.")
+  replace_flag = flags.DEFINE_float("replace_timeout_s", 300.0, "With --hosts_file: seconds to "
+                                    "wait for a lost host to be listed again before restarting "
+                                    "on fewer.", lower_bound=0.0)
   split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
   ours, train_args = sys.argv[:split], sys.argv[split + 1:]
 
@@ -41,8 +54,16 @@ def cli() -> None:
       command_line.fail("give the training command's flags after --, e.g. -- "
                         "--config=experiments/lm.py:tiny --workdir=runs/supervised",
                         command_line.USAGE_EXIT)
+    if hosts_flag.value is not None:
+      # Sizing a smaller job validates the config against that many simulated CPU devices.
+      import jax  # pylint: disable=g-import-not-at-top
+      from toolkit import runtime  # pylint: disable=g-import-not-at-top
+      jax.config.update("jax_platforms", "cpu")
+      runtime.simulate_cpu_devices(processes_flag.value * devices_flag.value, "sizing",
+                                   log=lambda line: None)
     sys.exit(supervisor.supervise(processes_flag.value, devices_flag.value, train_args,
-                                  restarts_flag.value, delay_flag.value))
+                                  restarts_flag.value, delay_flag.value, hosts_flag.value,
+                                  replace_flag.value))
 
   app.run(main, argv=ours, flags_parser=lambda argv: command_line.parse_flags(argv))
 

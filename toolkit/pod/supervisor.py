@@ -13,6 +13,14 @@ watchdog leaves in WORKDIR/hang/):
             supervisor stops and passes the status on
   stopped   SIGINT/SIGTERM reached the job and it saved and stopped (exit 0), or Ctrl-C twice
             (130): not restarted
+  resized   the job ran on fewer hosts than asked, the hosts file listed more again, and the
+            supervisor stopped it (it saved) to restart it larger: not counted as a restart
+
+With --hosts_file (toolkit/pod/elastic.py) the job is elastic: when a process failed and its
+host is no longer listed, the supervisor waits up to `replace_timeout_s` for the list to grow
+back, then restarts on the hosts listed: the largest job that fits them, with the same global
+batch in more micro-batches; when the lost hosts are listed again, it grows back at the next
+step (the job saves, then restarts on every host).
 
 The job resumes by itself (the training command restores the newest checkpoint that restores);
 the batches of step s are a function of (seed, s), so the restarted job trains the same steps
@@ -38,7 +46,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from toolkit import workdir as workdir_lib
-from toolkit.pod import local
+from toolkit.pod import elastic, local
 
 HANG_EXIT = 75  # toolkit.training.watchdog.HANG_EXIT (pod/ does not import training/)
 JOB_ENV = "MESHKIT_JOB"  # toolkit.training.goodput.JOB_ENV: what earlier attempts cost
@@ -60,6 +68,7 @@ class Attempt:
   last_step: int = 0  # the last step it logged
   step_seconds: float = 0.0  # the step time of its last progress line
   cause: str = ""
+  size: elastic.Size = elastic.Size(1)  # its processes and micro-batches
   detail: str = ""
   detection_s: float = 0.0  # a hang: how long the watchdog waited before it ended the process
 
@@ -89,8 +98,11 @@ class Supervisor:
 
   def __init__(self, processes: int, devices_per_process: int, train_args: Sequence[str], *,
                max_restarts: int = 3, restart_delay_s: float = 1.0, grace_s: float = 30.0,
-               out: TextIO | None = None, err: TextIO | None = None, environ=None):
+               out: TextIO | None = None, err: TextIO | None = None, environ=None,
+               hosts_file: str | None = None, replace_timeout_s: float = 300.0,
+               poll_s: float = 1.0):
     self.processes, self.devices_per_process = processes, devices_per_process
+    self.hosts_file, self.replace_timeout_s, self.poll_s = hosts_file, replace_timeout_s, poll_s
     self.train_args = list(train_args)
     self.max_restarts, self.restart_delay_s, self.grace_s = max_restarts, restart_delay_s, grace_s
     self.out, self.err = out or sys.stdout, err or sys.stderr
@@ -99,6 +111,7 @@ class Supervisor:
     self.attempts: list[Attempt] = []
     self.job: local.Pod | None = None  # the attempt running now
     self._stop_requested = False
+    self._resizing = False  # the supervisor stopped the job to restart it on more hosts
     self._started_unix = time.time()  # when `run` began (set again there)
 
   def say(self, line: str) -> None:
@@ -114,44 +127,109 @@ class Supervisor:
   def run(self) -> int:
     """The job to its end; the exit status of its last attempt."""
     started, self._started_unix = time.monotonic(), time.time()
-    while True:
-      attempt = self._attempt(len(self.attempts) + 1)
+    size = self._size(None)
+    while size is not None:
+      attempt = self._attempt(len(self.attempts) + 1, size)
       self.attempts.append(attempt)
       if attempt.cause in ("finished", "stopped", "mistake") or self._stop_requested:
         break
-      restarts = len(self.attempts) - 1
-      if restarts >= self.max_restarts:
-        self.say(f"{attempt.cause} ({attempt.detail}) after {restarts} restart(s): giving up "
-                 f"(--max_restarts={self.max_restarts}); rerun the same command to resume")
+      if attempt.cause == "resized":
+        size = self._size(attempt)
+        continue
+      restarts = sum(a.cause in ("crash", "hang") for a in self.attempts)
+      if restarts > self.max_restarts:
+        self.say(f"{attempt.cause} ({attempt.detail}) after {restarts - 1} restart(s): giving "
+                 f"up (--max_restarts={self.max_restarts}); rerun the same command to resume")
         break
-      self.say(f"restart {restarts + 1} of {self.max_restarts} after a {attempt.cause} "
+      self.say(f"restart {restarts} of {self.max_restarts} after a {attempt.cause} "
                f"({attempt.detail}) at step {attempt.last_step}: starting the job again from "
                f"its newest checkpoint")
       time.sleep(self.restart_delay_s)
+      size = self._size(attempt)
+    if not self.attempts:
+      return 1  # the hosts file said why, in one line
     self._summary(time.monotonic() - started)
     return self.attempts[-1].returncode
 
-  def _attempt(self, number: int) -> Attempt:
-    attempt = Attempt(number, time.monotonic())
-    job = local.Pod(self.processes, self.devices_per_process, self.train_args,
+  def _hosts(self) -> int:
+    return len(elastic.read_hosts(self.hosts_file))
+
+  def _size(self, failed: Attempt | None) -> elastic.Size | None:
+    """The next attempt's size: every process without a hosts file; else, after a failure on
+    fewer hosts than asked, the hosts listed within replace_timeout_s, and the largest job that
+    fits them. None (after one line) when none does."""
+    if self.hosts_file is None:
+      return elastic.Size(self.processes)
+    try:
+      listed = self._hosts()
+      if failed is not None and failed.cause != "resized" and listed < self.processes:
+        self.say(f"{listed} of {self.processes} hosts listed in {self.hosts_file}: waiting up "
+                 f"to {self.replace_timeout_s:g} s for the lost host(s) to be replaced")
+        deadline = time.monotonic() + self.replace_timeout_s
+        while listed < self.processes and time.monotonic() < deadline:
+          time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
+          listed = self._hosts()
+      if listed >= self.processes:
+        return elastic.Size(self.processes)
+      size = elastic.fit(self.train_args, listed, self.processes, self.devices_per_process)
+    except elastic.HostsError as e:
+      self.say(f"error: {e}")
+      return None
+    batches = ("" if size.microbatches is None else
+               f", the same global batch in train.microbatches={size.microbatches}")
+    self.say(f"running on {size.processes} of {self.processes} hosts ({listed} listed): "
+             f"{size.processes * self.devices_per_process} devices{batches}; it grows back "
+             f"when the hosts file lists more")
+    return size
+
+  def _attempt(self, number: int, size: elastic.Size) -> Attempt:
+    attempt = Attempt(number, time.monotonic(), size=size)
+    job = local.Pod(size.processes, self.devices_per_process,
+                    elastic.with_microbatches(self.train_args, size.microbatches),
                     grace_s=self.grace_s, environ=self._job_environ(attempt), out=self.out,
                     err=self.err)
-    self.job = job
+    self.job, self._resizing = job, False
     previous = self.attempts[-1] if self.attempts else None
     watcher = threading.Thread(target=self._announce_recovery, args=(previous, job),
                                name="supervise: recovery", daemon=True)
+    grower = threading.Thread(target=self._grow_when_hosts_return, args=(size, job),
+                              name="supervise: hosts", daemon=True)
     try:
       job.start()
       watcher.start()
+      if size.processes < self.processes:
+        grower.start()
       attempt.returncode = job.wait()
     finally:
       job.close()
       self.job = None
     watcher.join(5)
+    if grower.is_alive():
+      grower.join(self.poll_s + 5)
     attempt.ended = time.monotonic()
     self._read_output(attempt, job)
     attempt.cause, attempt.detail = self._classify(attempt, job)
     return attempt
+
+  def _grow_when_hosts_return(self, size: elastic.Size, job: local.Pod) -> None:
+    """While `job` runs on fewer processes than asked: once the hosts file lists enough hosts
+    for a larger job, stop it (SIGTERM: it saves after its step) to restart it larger."""
+    while all(proc.poll() is None for proc in job.procs) and not self._stop_requested:
+      time.sleep(self.poll_s)
+      try:
+        listed = min(self._hosts(), self.processes)
+        larger = listed > size.processes and (
+            listed == self.processes or elastic.fit(self.train_args, listed, self.processes,
+                                                    self.devices_per_process).processes
+            > size.processes)
+      except elastic.HostsError:
+        continue  # the file is being rewritten, or no larger job fits yet
+      if larger:
+        self.say(f"{listed} of {self.processes} hosts listed again: stopping the job after its "
+                 f"step (it saves) to restart it on them")
+        self._resizing = True
+        job.signal_all(signal.SIGTERM)
+        return
 
   def _job_environ(self, attempt: Attempt) -> dict[str, str]:
     """The environment of `attempt`'s processes: the supervisor's, and JOB_ENV with what the
@@ -183,6 +261,8 @@ class Supervisor:
   def _classify(self, attempt: Attempt, job: local.Pod) -> tuple[str, str]:
     code = attempt.returncode
     if code == 0:
+      if self._resizing and not self._stop_requested:
+        return "resized", "stopped to grow back onto the hosts listed again"
       return ("stopped" if self._stop_requested else "finished"), "exit status 0"
     failed = min(job.exit_times, key=lambda i: (job.procs[i].returncode == 0, job.exit_times[i]))
     detail = f"p{failed} {local.describe_status(job.procs[failed].returncode)}"
@@ -200,7 +280,7 @@ class Supervisor:
     """What the watchdog's marker of this attempt says (the first process's that hung)."""
     if self.workdir is None:
       return None
-    for i in range(self.processes):
+    for i in range(attempt.size.processes):
       path = workdir_lib.join(self.workdir, "hang", f"process_{i}.json")
       try:
         marker = json.loads(workdir_lib.read_text(path))
@@ -236,7 +316,9 @@ class Supervisor:
               "hang_detection_s": round(detection_s, 3),
               "restart_and_restore_s": round(restart_s, 3), "steps_trained_again": lost_steps,
               "steps_trained_again_s": round(redo_s, 3)}
-    causes = ", ".join(record["causes"]) or "none"
+    causes = ", ".join(c for c in record["causes"] if c != "resized") or "none"
+    if resized := record["causes"].count("resized"):
+      causes += f"; grown back {resized} time(s)"
     ended = {"finished": "finished", "stopped": "stopped on request",
              "mistake": "failed before training a step (not retried)"}.get(record["final"],
                                                                            "failed")
@@ -250,10 +332,12 @@ class Supervisor:
 
 
 def supervise(processes: int, devices_per_process: int, train_args: Sequence[str],
-              max_restarts: int, restart_delay_s: float) -> int:
+              max_restarts: int, restart_delay_s: float, hosts_file: str | None = None,
+              replace_timeout_s: float = 300.0) -> int:
   """The `toolkit.supervise` command: a supervisor with SIGINT/SIGTERM passed on as a stop."""
   supervisor = Supervisor(processes, devices_per_process, train_args, max_restarts=max_restarts,
-                          restart_delay_s=restart_delay_s)
+                          restart_delay_s=restart_delay_s, hosts_file=hosts_file,
+                          replace_timeout_s=replace_timeout_s)
 
   def handle(signum, frame):
     del frame

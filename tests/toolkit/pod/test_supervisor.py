@@ -6,14 +6,12 @@ from __future__ import annotations
 import io
 import json
 import os
-import pathlib
 import re
 import signal
-import threading
-import time
 
 import pytest
 
+from tests.toolkit.pod import supervised
 from toolkit.pod import supervisor as supervisor_lib
 
 STEPS = 100  # room to act at steps 15 and 40 before the end (steps take 20-150 ms here)
@@ -21,19 +19,6 @@ TRAIN = ["--config=experiments/lm.py:tiny", f"--config.train.steps={STEPS}",
          "--config.train.checkpoint_every=10", "--config.train.log_every=1",
          "--config.train.eval_every=1000", "--config.train.sample_tokens=0"]
 TIMEOUT_S = 120
-
-
-def _losses(workdir: pathlib.Path) -> dict[int, float]:
-  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-  steps = [r["step"] for r in records if r["kind"] == "train"]
-  assert len(steps) == len(set(steps)), "a step recorded twice"
-  return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
-
-
-def _wait_for(predicate, what: str, deadline: float, output=lambda: "") -> None:
-  while not predicate():
-    assert time.monotonic() < deadline, f"timed out waiting for {what}: {output()[-4000:]}"
-    time.sleep(0.02)  # polling interval, not a wait for readiness
 
 
 def test_a_mistake_is_not_retried(tmp_path):
@@ -86,30 +71,22 @@ def test_a_crash_and_a_hang_are_restarted_and_the_losses_equal_an_uninterrupted_
   supervisor = supervisor_lib.Supervisor(
       1, 8, [*TRAIN, f"--workdir={workdir}", "--config.train.hang_timeout_s=4"],
       restart_delay_s=2, out=out, err=err)
-  outcome = {}
-  thread = threading.Thread(target=lambda: outcome.update(code=supervisor.run()), daemon=True)
-  thread.start()
-  deadline = time.monotonic() + TIMEOUT_S
-  text = lambda: out.getvalue() + err.getvalue()
-  try:
+  with supervised.Running(supervisor, TIMEOUT_S) as job:
     # A crash: SIGKILL once the job is past its first checkpoint.
-    _wait_for(lambda: "[p0] step 15/" in text(), "step 15", deadline)
+    job.wait_for(lambda: "[p0] step 15/" in job.text(), "step 15")
     os.kill(supervisor.job.procs[0].pid, signal.SIGKILL)
-    _wait_for(lambda: "recovered in" in text(), "the first recovery", deadline)
+    job.wait_for(lambda: "recovered in" in job.text(), "the first recovery")
     # A hang: metrics.jsonl becomes a pipe nobody reads, so the next metrics write blocks.
-    _wait_for(lambda: re.search(r"\[p0\] step (4\d|[5-9]\d)/", text()), "step 40", deadline)
+    job.wait_for(lambda: re.search(r"\[p0\] step (4\d|[5-9]\d)/", job.text()), "step 40")
     metrics, saved = workdir / "metrics.jsonl", workdir / "metrics.saved"
     os.rename(metrics, saved)
     os.mkfifo(metrics)
-    _wait_for(lambda: "[supervise] restart 2 of 3" in text(), "the hang's restart", deadline, text)
+    job.wait_for(lambda: "[supervise] restart 2 of 3" in job.text(), "the hang's restart")
     os.remove(metrics)  # before the restart (2 s later) opens it again
     os.rename(saved, metrics)
-    thread.join(max(1.0, deadline - time.monotonic()))
-  finally:
-    if supervisor.job is not None:
-      supervisor.job.close()
-  output = text()
-  assert outcome.get("code") == 0, output[-5000:]
+    code = job.join()
+  output = job.text()
+  assert code == 0, output[-5000:]
   assert [a.cause for a in supervisor.attempts] == ["crash", "hang", "finished"], output[-5000:]
   assert re.search(r"^\[supervise\] restart 1 of 3 after a crash \(p0 killed by SIGKILL\) at "
                    r"step \d+", output, re.M), output[-5000:]
@@ -121,7 +98,7 @@ def test_a_crash_and_a_hang_are_restarted_and_the_losses_equal_an_uninterrupted_
   assert re.search(r"^\[supervise\] job finished after 3 attempt\(s\) \(failures: crash, "
                    r"hang\)", output, re.M), output[-3000:]
   # The same steps on the same batches from the same checkpoints: the uninterrupted losses.
-  assert _losses(workdir) == _losses(straight)
+  assert supervised.losses(workdir) == supervised.losses(straight)
   [record] = [json.loads(l) for l in (workdir / "supervisor.jsonl").read_text().splitlines()]
   assert record["causes"] == ["crash", "hang"] and record["final"] == "finished"
   assert 4 <= record["hang_detection_s"] < 6  # train.hang_timeout_s=4, polled
