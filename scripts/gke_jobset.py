@@ -15,8 +15,11 @@ launcher needs nothing beyond the standard library.
 
 Shape: one replicated job per slice (`replicas` = slices), each an Indexed Job with one pod
 per GKE node of the slice (`parallelism` = `completions` = nodes) and `backoffLimit: 0`, so a
-failed pod fails its slice and the JobSet's `failurePolicy.maxRestarts` restarts everything
-(toolkit.train resumes from the workdir's latest checkpoint). The exclusive-topology
+failed pod fails its slice and the JobSet's `failurePolicy.maxRestarts` (--max-restarts,
+default 3) restarts everything (toolkit.train resumes from the workdir's latest checkpoint), as
+toolkit.supervise does on one machine. A command-line mistake (exit 2) is not restarted: the
+Job's podFailurePolicy fails it with reason PodFailurePolicy, and the JobSet's rule fails the
+whole JobSet on that reason (docs/pods.md). The exclusive-topology
 annotation puts each slice on its own node pool. Pods select nodes by
 cloud.google.com/gke-tpu-accelerator and gke-tpu-topology and take all of a node's chips
 (google.com/tpu). GKE's multi-host v5e/v6e node pools have 4 chips per node
@@ -47,6 +50,7 @@ sys.path.insert(0, str(REPO))  # run from a plain checkout too, without installi
 from toolkit import accelerators, workdir  # noqa: E402  pylint: disable=wrong-import-position
 
 USAGE_EXIT = 2
+MISTAKE_EXIT = 2  # toolkit.train's exit status for a command-line mistake: not restarted
 REPLICATED_JOB = "slice"
 GCS_MOUNT = "/mnt/gcs"
 TPU_PORTS = (8471, 8080, 8476)  # TPU runtime, megascale (DCN), jax.distributed coordinator
@@ -123,7 +127,11 @@ def jobset(*, name: str, tpu: accelerators.TpuType, slices: int, image: str, tra
       "kind": "JobSet",
       "metadata": metadata,
       "spec": {
-          "failurePolicy": {"maxRestarts": max_restarts},
+          "failurePolicy": {
+              "maxRestarts": max_restarts,
+              # The Jobs' podFailurePolicy marks a mistake: restarting would fail the same way.
+              "rules": [{"name": "mistakeIsNotRestarted", "action": "FailJobSet",
+                         "onJobFailureReasons": ["PodFailurePolicy"]}]},
           # Stable pod hostnames NAME-slice-J-I.NAME: the multi-slice coordinator address.
           "network": {"enableDNSHostnames": True, "subdomain": name},
           "replicatedJobs": [{
@@ -133,6 +141,10 @@ def jobset(*, name: str, tpu: accelerators.TpuType, slices: int, image: str, tra
                   "parallelism": nodes,
                   "completions": nodes,
                   "backoffLimit": 0,
+                  "podFailurePolicy": {"rules": [{
+                      "action": "FailJob",
+                      "onExitCodes": {"containerName": "train", "operator": "In",
+                                      "values": [MISTAKE_EXIT]}}]},
                   "completionMode": "Indexed",
                   "template": ({"metadata": {"annotations": {"gke-gcsfuse/volumes": "true"}},
                                 "spec": pod_spec} if gcs_bucket else {"spec": pod_spec}),
@@ -248,9 +260,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                       f"files; the workdir is better a gs:// URL")
   parser.add_argument("--namespace", help="Kubernetes namespace (default: kubectl's)")
   parser.add_argument("--queue", help="Kueue LocalQueue name (label kueue.x-k8s.io/queue-name)")
-  parser.add_argument("--max-restarts", type=_count(0), default=0,
-                      help="JobSet restarts after a failure (default 0); runs resume from "
-                      "the workdir's latest checkpoint")
+  parser.add_argument("--max-restarts", type=_count(0), default=3,
+                      help="JobSet restarts after a failure (default 3; a command-line "
+                      "mistake, exit 2, is not restarted); runs resume from the workdir's "
+                      "latest checkpoint")
   parser.add_argument("--termination-grace-seconds", type=_count(1), default=120,
                       help="time to finish the step and save after SIGTERM (default 120)")
   parser.add_argument("--output", help="write the manifest to this file instead of stdout")

@@ -22,6 +22,14 @@ JAX's SLURM detection would still limit each process to GPU SLURM_LOCALID (= 0),
 script sets JAX_LOCAL_DEVICE_IDS to all of them. `srun --kill-on-bad-exit=1` stops every
 task when one fails, instead of leaving the others blocked in a collective.
 
+Restarts, as `toolkit.supervise` does them on one machine (docs/pods.md): when the srun fails
+the script runs it again in the same allocation after --restart-delay-s, up to
+--max-restarts times (default 3), and the training command resumes from its newest
+checkpoint; exit 0 (finished, or stopped by SIGTERM at the time limit after saving), 130
+(Ctrl-C twice) and 2 (a command-line mistake) end it. A node that fails ends the allocation:
+`#SBATCH --requeue` lets SLURM queue the job again on other nodes (where the cluster allows
+requeues), which resumes the same way; `--open-mode=append` keeps the log of every run.
+
 Environment of every task (docs/gpu.md), before the `--env` settings, which win:
 - JAX_PLATFORMS=cuda,cpu: the GPUs, or JAX's error ("Unable to initialize backend 'cuda'")
   on a node that shows GPUs but lacks JAX's CUDA plugin, where JAX alone would only warn and
@@ -56,6 +64,10 @@ sys.path.insert(0, str(REPO))  # run from a plain checkout too, without installi
 from toolkit import workdir  # noqa: E402  pylint: disable=wrong-import-position
 
 USAGE_EXIT = 2
+# Exit statuses of toolkit.train that end the job: finished or stopped after saving (0), a
+# command-line mistake (2), Ctrl-C twice (130). Any other is restarted.
+FINAL_STATUSES = {0: "finished, or stopped after saving", 2: "a command-line mistake",
+                  130: "Ctrl-C twice"}
 DEFAULT_MEM_FRACTION = 0.9
 # The XLA flags every GPU task gets (exported as XLA_FLAGS; --env=XLA_FLAGS=... replaces them).
 # Empty on purpose: the collective-overlap presets (latency-hiding scheduler, pipelined
@@ -88,6 +100,8 @@ def batch_script(args: argparse.Namespace, train_args: list[str]) -> str:
       f"--gpus-per-node={args.gpus_per_node}",
       f"--time={args.time}",
       f"--output={args.output}",
+      "--open-mode=append",
+      "--requeue",
   ]
   directives += [f"--partition={args.partition}"] if args.partition else []
   directives += [f"--account={args.account}"] if args.account else []
@@ -111,8 +125,35 @@ def batch_script(args: argparse.Namespace, train_args: list[str]) -> str:
   lines += [f"export {key}={shlex.quote(value)}" for key, value in env]
   srun = ["srun", "--kill-on-bad-exit=1", args.python, "-m", "toolkit.train",
           f"--config={args.config}", f"--workdir={args.workdir}", *train_args]
-  lines.append(shlex.join(srun))
+  lines += restart_loop(shlex.join(srun), args.max_restarts, args.restart_delay_s)
   return "\n".join(lines) + "\n"
+
+
+def restart_loop(command: str, max_restarts: int, delay_s: int) -> list[str]:
+  """`command` run again after a failure, up to `max_restarts` times (FINAL_STATUSES end it);
+  one `[slurm_job]` line on stderr per restart and when it gives up."""
+  final = "|".join(map(str, FINAL_STATUSES))
+  return [
+      "# Restarts (docs/pods.md): these exit statuses end the job: " + "; ".join(
+          f"{code}, {text}" for code, text in FINAL_STATUSES.items()) + ".",
+      "# Any other runs the command again, which resumes from the newest checkpoint.",
+      "status=0",
+      f"for attempt in $(seq 0 {max_restarts}); do",
+      "  if (( attempt > 0 )); then",
+      f"    echo \"[slurm_job] restart $attempt of {max_restarts} after exit status $status: "
+      f"resuming from the newest checkpoint in {delay_s} s\" >&2",
+      f"    sleep {delay_s}",
+      "  fi",
+      "  set +e",
+      f"  {command}",
+      "  status=$?",
+      "  set -e",
+      f"  case $status in {final}) exit \"$status\" ;; esac",
+      "done",
+      f"echo \"[slurm_job] exit status $status after {max_restarts} restart(s): giving up; "
+      f"submit the same script again to resume\" >&2",
+      "exit \"$status\"",
+  ]
 
 
 def gpu_environment(args: argparse.Namespace) -> list[str]:
@@ -145,6 +186,12 @@ def _env_pair(text: str) -> tuple[str, str]:
 def _positive(text: str) -> int:
   if not text.isdigit() or int(text) < 1:
     raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+  return int(text)
+
+
+def _count(text: str) -> int:
+  if not text.isdigit():
+    raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
   return int(text)
 
 
@@ -212,6 +259,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                       help="NCCL's log level (NCCL_DEBUG; default unset: NCCL prints nothing "
                       "of its own): WARN names each failed NCCL call, INFO also the network it "
                       "chose")
+  parser.add_argument("--max-restarts", type=_count, default=3,
+                      help="runs of the training command again after it fails, in the same "
+                      "allocation (default 3); 0: none")
+  parser.add_argument("--restart-delay-s", type=_count, default=10,
+                      help="seconds between a failure and the restart (default 10)")
   parser.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
   return parser.parse_args(argv), train_args
 

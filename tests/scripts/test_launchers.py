@@ -445,7 +445,15 @@ def test_jobset_shape(accelerator, slices, pods_per_slice, chips_per_pod, grid, 
   job = replicated["template"]["spec"]
   assert job["parallelism"] == job["completions"] == pods_per_slice
   assert (job["backoffLimit"], job["completionMode"]) == (0, "Indexed")
+  # A failed pod restarts the whole JobSet up to 3 times, but a command-line mistake (exit 2
+  # of the train container) fails the Job by its podFailurePolicy, and that reason the JobSet.
+  assert js["spec"]["failurePolicy"] == {"maxRestarts": 3, "rules": [{
+      "name": "mistakeIsNotRestarted", "action": "FailJobSet",
+      "onJobFailureReasons": ["PodFailurePolicy"]}]}
+  assert job["podFailurePolicy"] == {"rules": [{"action": "FailJob", "onExitCodes": {
+      "containerName": "train", "operator": "In", "values": [2]}}]}
   pod = job["template"]["spec"]
+  assert [c["name"] for c in pod["containers"]] == ["train"]
   assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": label,
                                  "cloud.google.com/gke-tpu-topology": grid}
   assert pod["hostNetwork"] is True and pod["restartPolicy"] == "Never"
@@ -530,10 +538,10 @@ def test_slurm_script_one_task_per_gpu(tmp_path, recorder):
   assert sbatch_lines(script) == [
       "#SBATCH --job-name=lm", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8",
       "#SBATCH --gpus-per-node=8", "#SBATCH --time=1-00:00:00", "#SBATCH --output=%x-%j.out",
-      "#SBATCH --partition=gpu"]
+      "#SBATCH --open-mode=append", "#SBATCH --requeue", "#SBATCH --partition=gpu"]
   assert "JAX_LOCAL_DEVICE_IDS" not in script and "gpus-per-task" not in script.replace(
       "no --gpus-per-task", "")
-  [srun] = [shlex.split(line) for line in shell_lines(script) if line.startswith("srun ")]
+  [srun] = [shlex.split(line) for line in shell_lines(script) if line.strip().startswith("srun ")]
   assert srun == ["srun", "--kill-on-bad-exit=1", ".venv/bin/python", "-m", "toolkit.train",
                   "--config=experiments/lm.py:size=1b", "--workdir=/shared/runs/lm", TRICKY]
   # The script under bash, with a stand-in srun: the directory, environment and arguments.
@@ -559,6 +567,40 @@ def test_slurm_script_one_task_per_node(tmp_path, recorder):
                  env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
   [call] = recorder.calls()
   assert call["env"]["JAX_LOCAL_DEVICE_IDS"] == "0,1,2,3"
+
+
+@pytest.mark.parametrize("statuses,flags,exit_code,restarts", [
+    ((1, 75, 0), [], 0, [1, 75]),     # a crash, then a hang (the watchdog's 75): finished
+    ((137, 137), ["--max-restarts=1"], 137, [137]),  # killed twice: gives up after 1 restart
+    ((2,), [], 2, []),                # a command-line mistake: never restarted
+    ((130,), [], 130, []),            # Ctrl-C twice: stopped
+])
+def test_slurm_restarts_a_failed_run(tmp_path, statuses, flags, exit_code, restarts):
+  """The batch script runs srun again after a failure (up to --max-restarts), not after a
+  mistake or a stop; a stand-in srun exits with `statuses` in turn."""
+  script = ok(launch("slurm_job.py", "--nodes=1", *SLURM, "--restart-delay-s=0", *flags,
+                     "--dry-run"))
+  (tmp_path / "bin").mkdir()
+  srun = tmp_path / "bin" / "srun"
+  srun.write_text("#!/bin/bash\necho call >> calls\n"
+                  f"statuses=({' '.join(map(str, statuses))})\n"
+                  "exit ${statuses[$(( $(wc -l < calls) - 1 ))]}\n")
+  srun.chmod(0o755)
+  script = script.replace(f"cd {shlex.quote(str(REPO))}", f"cd {shlex.quote(str(tmp_path))}")
+  proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
+                        stdin=subprocess.DEVNULL,
+                        env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
+  assert proc.returncode == exit_code, proc.stderr
+  assert len((tmp_path / "calls").read_text().splitlines()) == len(restarts) + 1
+  lines = proc.stderr.splitlines()
+  limit = 1 if flags else 3
+  assert [l for l in lines if "restart" in l and "giving up" not in l] == [
+      f"[slurm_job] restart {i} of {limit} after exit status {status}: resuming from the "
+      f"newest checkpoint in 0 s" for i, status in enumerate(restarts, 1)]
+  gave_up = [l for l in lines if "giving up" in l]
+  assert gave_up == ([f"[slurm_job] exit status {exit_code} after {limit} restart(s): giving "
+                      f"up; submit the same script again to resume"]
+                     if exit_code not in (0, 2, 130) else [])
 
 
 def test_slurm_submits_the_printed_script(tmp_path, recorder):
