@@ -68,6 +68,19 @@ class _Parser(argparse.ArgumentParser):
     fail(f"{message} (see {self.prog} --help)")
 
 
+# A command-line mistake of the train container fails its Job (reason PodFailurePolicy) at once.
+POD_FAILURE_POLICY = {"rules": [{"action": "FailJob", "onExitCodes": {
+    "containerName": "train", "operator": "In", "values": [MISTAKE_EXIT]}}]}
+
+
+def failure_policy(max_restarts: int) -> dict:
+  """The JobSet's: a failed Job restarts every Job, up to `max_restarts` times, except one
+  that POD_FAILURE_POLICY failed (a mistake: restarting would fail the same way)."""
+  return {"maxRestarts": max_restarts,
+          "rules": [{"name": "mistakeIsNotRestarted", "action": "FailJobSet",
+                     "onJobFailureReasons": ["PodFailurePolicy"]}]}
+
+
 def jobset(*, name: str, tpu: accelerators.TpuType, slices: int, image: str, train_argv: list[str],
            env: list[tuple[str, str]], nodes: int, chips_per_node: int, namespace: str | None,
            max_restarts: int, queue: str | None, working_dir: str | None,
@@ -127,11 +140,7 @@ def jobset(*, name: str, tpu: accelerators.TpuType, slices: int, image: str, tra
       "kind": "JobSet",
       "metadata": metadata,
       "spec": {
-          "failurePolicy": {
-              "maxRestarts": max_restarts,
-              # The Jobs' podFailurePolicy marks a mistake: restarting would fail the same way.
-              "rules": [{"name": "mistakeIsNotRestarted", "action": "FailJobSet",
-                         "onJobFailureReasons": ["PodFailurePolicy"]}]},
+          "failurePolicy": failure_policy(max_restarts),
           # Stable pod hostnames NAME-slice-J-I.NAME: the multi-slice coordinator address.
           "network": {"enableDNSHostnames": True, "subdomain": name},
           "replicatedJobs": [{
@@ -141,10 +150,7 @@ def jobset(*, name: str, tpu: accelerators.TpuType, slices: int, image: str, tra
                   "parallelism": nodes,
                   "completions": nodes,
                   "backoffLimit": 0,
-                  "podFailurePolicy": {"rules": [{
-                      "action": "FailJob",
-                      "onExitCodes": {"containerName": "train", "operator": "In",
-                                      "values": [MISTAKE_EXIT]}}]},
+                  "podFailurePolicy": POD_FAILURE_POLICY,
                   "completionMode": "Indexed",
                   "template": ({"metadata": {"annotations": {"gke-gcsfuse/volumes": "true"}},
                                 "spec": pod_spec} if gcs_bucket else {"spec": pod_spec}),
