@@ -168,6 +168,25 @@ def enable_compilation_cache(path: str) -> None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+def cache_off_for_cpu_processes(process_count: int, log: Callable[[str], None] = print) -> bool:
+  """Turns JAX's persistent compilation cache off in a job of several processes on the CPU
+  backend (a simulated pod); True when it did. JAX writes cache entries from process 0 only,
+  and the other processes' programs have keys of their own, so on a restart process 0 read
+  every program back while the others compiled theirs, ran ahead into the first collective and
+  failed there at Gloo's 5 s timeout (measured: experiments/grpo.py:tiny on 2 processes, run a
+  second time over the same cache). Call after the distributed runtime starts, before the
+  first compile."""
+  import jax  # pylint: disable=g-import-not-at-top
+  platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
+  if (process_count < 2 or not jax.config.jax_enable_compilation_cache
+      or not jax.config.jax_compilation_cache_dir or platforms.split(",")[0] != "cpu"):
+    return False
+  jax.config.update("jax_enable_compilation_cache", False)
+  log("compilation cache off: with several CPU processes only process 0 would read its "
+      "programs back, and run ahead of the others into their collectives")
+  return True
+
+
 def start(compilation_cache: str | None = None, mesh=None,
           cpu_devices: tuple[int, str] | None = None,
           log: Callable[[str], None] = print, xla_flags: str = "auto") -> None:

@@ -89,6 +89,9 @@ def cli() -> None:
       raise
     if processes.process_count > 1:
       print(processes, flush=True)  # every process: one line each, to tell them apart
+      first = processes.process_index == 0
+      runtime.cache_off_for_cpu_processes(processes.process_count,
+                                          print if first else lambda line: None)
     train(config, workdir_flag.value, processes.process_count)
 
   app.run(one_line_on_interrupt(main), flags_parser=lambda argv: command_line.parse_flags(

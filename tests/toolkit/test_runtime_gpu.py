@@ -163,3 +163,22 @@ def test_a_new_process_on_a_gpu_without_the_plugin_says_one_line_and_runs(tmp_pa
   assert JAX_FALLBACK not in output
   for libtpu_noise in ("libtpu", "TPU_ACCELERATOR_TYPE", "E0000", "InitGoogle"):
     assert libtpu_noise not in output, output
+
+
+def test_several_cpu_processes_compile_their_own_programs(monkeypatch, before_jax_starts):
+  """JAX writes cache entries from process 0 only and the others' keys differ: with the cache
+  on, a restarted simulated pod's process 0 read its programs back and ran ahead of the others
+  into a collective (Gloo's 5 s timeout). Off for several CPU processes; kept for one process
+  and on a TPU pod."""
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  assert jax.config.jax_compilation_cache_dir  # the suite's own (tests/conftest.py)
+  lines: list[str] = []
+  assert runtime.cache_off_for_cpu_processes(2, lines.append)
+  assert before_jax_starts == {"jax_enable_compilation_cache": False}
+  assert lines == ["compilation cache off: with several CPU processes only process 0 would "
+                   "read its programs back, and run ahead of the others into their collectives"]
+  before_jax_starts.clear()
+  assert not runtime.cache_off_for_cpu_processes(1, lines.append)
+  monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+  assert not runtime.cache_off_for_cpu_processes(4, lines.append)
+  assert before_jax_starts == {} and len(lines) == 1

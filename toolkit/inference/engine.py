@@ -133,7 +133,11 @@ class Engine:
     self.cache_sharding = NamedSharding(mesh, rules.activation_spec(paged.CACHE_AXES, mesh))
     self.row_sharding = NamedSharding(mesh, rules.activation_spec(("batch",), mesh))
     self.traces: collections.Counter = collections.Counter()
-    rows_out = (self.cache_sharding, self.row_sharding,
+    # With several processes each one reads every row's next token (the schedulers run the
+    # same on all of them): replicated, a few bytes a row, instead of split over batch.
+    tokens_out = (NamedSharding(mesh, jax.sharding.PartitionSpec()) if jax.process_count() > 1
+                  else self.row_sharding)
+    rows_out = (self.cache_sharding, tokens_out,
                 NamedSharding(mesh, rules.activation_spec(("batch", "vocab"), mesh)))
     self._step = jax.jit(self._step_fn, donate_argnums=1, out_shardings=rows_out,
                          static_argnames="chunks")
