@@ -225,17 +225,21 @@ def resolve(config: ml_collections.ConfigDict,
   _check_attention(model, mesh.devices.flat[0].platform, d)
   _check_pipeline(model, mesh, rules, d, config.train, s.preset)
   t = config.train
-  if d.global_batch_size % t.microbatches:
-    raise ConfigError(
-        f"data.global_batch_size={d.global_batch_size} is not divisible by train.microbatches="
-        f"{t.microbatches}; pick a micro-batch count that divides the batch")
-  micro = d.global_batch_size // t.microbatches
+  # The step's leading dimension: GRPO's rows are its prompts' completions (DPO's pairs stay
+  # whole: their two sides are one row of the batch).
+  rows, what = d.global_batch_size, f"data.global_batch_size={d.global_batch_size}"
+  if task == "grpo":
+    rows *= config.grpo.generations
+    what += f" x grpo.generations={config.grpo.generations} = {rows} rows"
+  if rows % t.microbatches:
+    raise ConfigError(f"{what} is not divisible by train.microbatches={t.microbatches}; pick a "
+                      f"micro-batch count that divides the batch")
+  micro = rows // t.microbatches
   if micro % batch_ways:
     axes = "x".join(f"{a}={mesh.shape[a]}" for a in batch_axes)
     raise ConfigError(
-        f"data.global_batch_size={d.global_batch_size} (micro-batch {micro}) is not divisible by "
-        f"the batch-sharding axes {axes} ({batch_ways} ways); use a multiple of "
-        f"{batch_ways * t.microbatches}")
+        f"{what} (micro-batch {micro}) is not divisible by the batch-sharding axes {axes} "
+        f"({batch_ways} ways); use a multiple of {batch_ways * t.microbatches}")
   if (problem := text.utf8_problem(t.get("sample_prompt", ""))) is not None:
     raise ConfigError(f"train.sample_prompt is not valid UTF-8 text ({problem}); give the "
                       f"prompt in UTF-8")

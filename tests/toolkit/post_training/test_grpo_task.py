@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from experiments import grpo as grpo_experiment
+from experiments import lm as lm_experiment
 from tests.tiny_runs import TOLERANCE
 from toolkit import training
 from toolkit.errors import ConfigError
@@ -148,3 +149,41 @@ def test_the_pod_scale_variant_trains_adapters_on_prompts_times_generations_rows
   assert config_lib.rows_per_step(config, "grpo") == 8 * config.grpo.generations == 64
   assert config_lib.rows_per_step(config, "lm") == 8
   assert config_lib.rows_per_step(config, "dpo") == 16  # pairs: both sides in one pass
+
+
+def test_the_batch_splits_by_completions_not_prompts():
+  """GRPO's step trains on prompts x generations rows: 4 prompts x 4 completions split 8 ways
+  (before, the check divided the 4 prompts and refused); rows that do not split are one error
+  naming both fields."""
+  config = _config("data:1,fsdp:2,expert:4", "fsdp_ep")
+  assert config_lib.resolve(config).batch_ways == 8
+  config.grpo.generations = 3  # 12 rows
+  with pytest.raises(ConfigError, match=r"data.global_batch_size=4 x grpo.generations=3 = 12 "
+                                        r"rows \(micro-batch 12\) is not divisible by the "
+                                        r"batch-sharding axes data=1xfsdp=2xexpert=4 \(8 ways\)"):
+    config_lib.resolve(config)
+
+
+def _moe_config(ici: str):
+  config = _config(ici, "fsdp_ep")
+  rank = config.model.lora_rank
+  lm_experiment.set_model(config, "moe_tiny")
+  # LoRA adapts the attention projections; the experts' MLPs are not adapted.
+  config.model.update(lora_rank=rank, lora_targets="q,k,v,o")
+  return config
+
+
+@pytest.mark.slow  # two runs of the tiny mixture of experts: ~40 s
+def test_a_mixture_of_experts_run_over_the_expert_axis_trains_as_on_one_device(tmp_path):
+  """GRPO on a mesh with experts split 4 ways (fsdp 2 x expert 4) samples the same
+  completions as one device and trains to its losses."""
+  grpo.run(_moe_config("data:1,fsdp:2,expert:4"), str(tmp_path / "experts"))
+  grpo.run(_moe_config("data:1,fsdp:1,expert:1"), str(tmp_path / "one"),
+           devices=jax.devices()[:1])
+  a, b = _records(tmp_path / "experts"), _records(tmp_path / "one")
+  assert sorted(a) == list(range(1, STEPS + 1)) and sorted(b) == sorted(a)
+  for step in a:
+    assert a[step]["reward"] == b[step]["reward"]
+    np.testing.assert_allclose(a[step]["loss"], b[step]["loss"], **TOLERANCE)
+  assert max(a[s]["reward"] for s in a) > 0
+  assert any(abs(a[s]["loss"]) > 1e-3 for s in a)  # a step with advantages to learn from
