@@ -18,6 +18,7 @@ with the mesh).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 
 from toolkit import workdir as workdir_lib
@@ -66,7 +67,10 @@ def job_config(train_args: Sequence[str]):
   argv = ["supervise", *ours]  # the override flags are defined from the arguments given
   config_flags.DEFINE_config_file("config", None, "", flag_values=values, lock_config=True,
                                   sys_argv=argv)
-  values(argv)
+  with warnings.catch_warnings():
+    # ml_collections loads the experiment file with importlib's deprecated load_module().
+    warnings.filterwarnings("ignore", "the load_module", DeprecationWarning)
+    values(argv)
   return values.config
 
 
