@@ -157,7 +157,9 @@ class Supervisor:
   def _size(self, failed: Attempt | None) -> elastic.Size | None:
     """The next attempt's size: every process without a hosts file; else, after a failure on
     fewer hosts than asked, the hosts listed within replace_timeout_s, and the largest job that
-    fits them. None (after one line) when none does."""
+    fits them. None (after one line) when none does, or when a stop was requested."""
+    if self._stop_requested:
+      return None  # SIGINT/SIGTERM between attempts: no restart (the handler said so)
     if self.hosts_file is None:
       return elastic.Size(self.processes)
     try:
@@ -166,9 +168,12 @@ class Supervisor:
         self.say(f"{listed} of {self.processes} hosts listed in {self.hosts_file}: waiting up "
                  f"to {self.replace_timeout_s:g} s for the lost host(s) to be replaced")
         deadline = time.monotonic() + self.replace_timeout_s
-        while listed < self.processes and time.monotonic() < deadline:
+        while (listed < self.processes and time.monotonic() < deadline
+               and not self._stop_requested):
           time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
           listed = self._hosts()
+        if self._stop_requested:
+          return None
       if listed >= self.processes:
         return elastic.Size(self.processes)
       size = elastic.fit(self.train_args, listed, self.processes, self.devices_per_process)

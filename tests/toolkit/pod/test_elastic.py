@@ -166,3 +166,16 @@ def test_a_lost_host_shrinks_the_job_and_its_return_grows_it_back(tmp_path):
                              [expected[s] for s in sorted(losses)], **TOLERANCE)
   assert_trees_close(_final_params(workdir, config), _final_params(reference, config),
                      **TOLERANCE)
+
+
+def test_a_stop_while_waiting_for_a_host_starts_nothing(tmp_path):
+  """Ctrl-C to the supervisor while it waits for a replacement ends the wait: no restart."""
+  hosts = tmp_path / "hosts"
+  hosts.write_text("a\nb\nc\n")
+  supervisor = supervisor_lib.Supervisor(4, 2, TINY, hosts_file=str(hosts),
+                                         replace_timeout_s=60, poll_s=0.05, err=io.StringIO())
+  threading.Timer(0.3, supervisor.request_stop).start()
+  started = time.monotonic()
+  assert supervisor._size(supervisor_lib.Attempt(1, 0.0, cause="crash")) is None
+  assert time.monotonic() - started < 5
+  assert supervisor._size(None) is None  # nor a first attempt once a stop was requested
