@@ -179,6 +179,14 @@ KNOWN_NOISE: dict[str, tuple[str, str]] = {
                       "peft 0.21.2's PeftModel reads an attribute transformers 5 deprecated "
                       "(peft/peft_model.py); upstream's to fix, the load itself is right"),
 }
+# pattern of a command -> (pattern its standard output must hold, why): a result the page shows
+# beside the command.
+EXPECTED_OUTPUT: dict[str, tuple[str, str]] = {
+    r"from_pretrained\('runs/hf_export'\)": (
+        r"\['LlamaForCausalLM'\] 115136\n",
+        "docs/huggingface.md's guide ends with transformers loading the export: its class and the "
+        "tiny model's parameter count"),
+}
 TEXT = ("The quick brown fox jumps over the lazy dog. A list is a sequence of items; "
         "a dictionary maps keys to values. ") * 300
 
@@ -447,7 +455,7 @@ def test_the_docs_show_commands():
   assert any(c.kind == "python" for c in commands)
   # Every pattern still matches a command: the lists cannot go stale, and the commands that
   # once failed as pasted stay in the default suite.
-  for pattern in (*SKIP, *FAST, *APPEND, *PRODUCERS.values(), *KNOWN_NOISE):
+  for pattern in (*SKIP, *FAST, *APPEND, *PRODUCERS.values(), *KNOWN_NOISE, *EXPECTED_OUTPUT):
     assert any(re.search(pattern, c.text, re.M) for c in commands), pattern
   default = [c for c in commands if _in_default_suite(c)]
   for pattern in FAST:
@@ -499,5 +507,8 @@ def test_documented_command_runs(case, workspace):
     _serve(case, workspace)
     return
   text = _runnable(case[0].text, workspace, _free_port(), case[0].kind)
-  _check(_run(text, case[0].kind, workspace, case[0].where, _in_default_suite(case[0])),
-         case[0], text)
+  result = _run(text, case[0].kind, workspace, case[0].where, _in_default_suite(case[0]))
+  _check(result, case[0], text)
+  for pattern, (expected, why) in EXPECTED_OUTPUT.items():
+    if re.search(pattern, case[0].text):
+      assert re.search(expected, result.stdout), f"{case[0].where}: {why}\n{result.stdout}"

@@ -4,10 +4,8 @@ the mistakes that must each end in one `error:` line, exit non-zero, and write n
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 from tests import preloaded
 from tests.toolkit.hf import reference
-from tests.toolkit.test_cli import REPO, _env, refused, side_by_side, snapshot
+from tests.toolkit.test_cli import _env, refused, side_by_side, snapshot
 
 TIMEOUT_S = 300
 
@@ -148,25 +146,3 @@ def test_mistake_is_one_line_and_writes_nothing(mistake_runs, name, fragments):
   root, before, result = mistake_runs[name]
   # No new workdir or export folder, nothing changed.
   print(refused(result, fragments, root, before))
-
-
-def _guide_commands() -> list[str]:
-  """The first bash block of docs/huggingface.md, one command per entry (continuations joined)."""
-  text = (REPO / "docs" / "huggingface.md").read_text()
-  block = text.split("```bash\n", 1)[1].split("```", 1)[0]
-  return [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
-
-
-@pytest.mark.slow
-def test_the_guide_runs_as_pasted(tmp_path):
-  """docs/huggingface.md's commands, in order, with runs/ moved into a temporary folder."""
-  commands = _guide_commands()
-  assert any("toolkit.convert import" in c for c in commands)
-  assert any("toolkit.convert export" in c for c in commands)
-  env = _env()
-  env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env['PATH']}"  # the venv's python
-  for command in commands:
-    done = subprocess.run(command.replace("runs/", f"{tmp_path}/"), shell=True, cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
-  assert "['LlamaForCausalLM']" in done.stdout
