@@ -17,7 +17,8 @@ With --hosts_file=PATH (one line per host; a local pod runs one process per line
 --processes, the supervisor waits up to --replace_timeout_s for a replacement, then restarts on
 the hosts listed (the largest job the config's mesh fits, the same global batch in more
 micro-batches, from the newest checkpoint), and grows back onto every host when the file lists
-them again (toolkit/pod/elastic.py).
+them again (toolkit/pod/elastic.py). --elastic_batch=per_device keeps each device's rows
+instead: a smaller global batch while the job is smaller, stated in the restart line.
 """
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ def cli() -> None:
   replace_flag = flags.DEFINE_float("replace_timeout_s", 300.0, "With --hosts_file: seconds to "
                                     "wait for a lost host to be listed again before restarting "
                                     "on fewer.", lower_bound=0.0)
+  batch_flag = flags.DEFINE_enum("elastic_batch", "global", ["global", "per_device"], "With "
+                                 "--hosts_file, what a job on fewer hosts keeps: the global "
+                                 "batch (in more micro-batches; every step's data as the "
+                                 "uninterrupted run's) or each device's rows (a smaller "
+                                 "global batch: fewer examples a step, other data).")
   split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
   ours, train_args = sys.argv[:split], sys.argv[split + 1:]
 
@@ -63,7 +69,7 @@ def cli() -> None:
                                    log=lambda line: None)
     sys.exit(supervisor.supervise(processes_flag.value, devices_flag.value, train_args,
                                   restarts_flag.value, delay_flag.value, hosts_flag.value,
-                                  replace_flag.value))
+                                  replace_flag.value, batch_flag.value))
 
   app.run(main, argv=ours, flags_parser=lambda argv: command_line.parse_flags(argv))
 

@@ -14,6 +14,13 @@ was on the full job, so the step's activations fit where they fitted before. The
 is a function of the seed and s whatever the mesh (toolkit/data), so every global batch is the
 uninterrupted run's, and the losses equal its losses to rounding (the reduction order changes
 with the mesh).
+
+With `batch="per_device"` (`toolkit.supervise --elastic_batch=per_device`) a smaller job keeps
+instead each device's rows and micro-batches, and the global batch shrinks with the devices
+(16 rows on 8 devices -> 12 on 6): the steps stay as fast, but each trains on fewer examples
+and, from the restored step on, other ones than the uninterrupted run's (the batch of step s
+starts at example s x the global batch); the supervisor states that change in its restart line.
+Growing back restores the command's own global batch.
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ from collections.abc import Sequence
 from toolkit import workdir as workdir_lib
 
 MICROBATCHES_FLAG = "--config.train.microbatches"
+GLOBAL_BATCH_FLAG = "--config.data.global_batch_size"
+BATCH_MODES = ("global", "per_device")  # what a smaller job keeps (module docstring)
 
 
 class HostsError(ValueError):
@@ -36,6 +45,7 @@ class Size:
   command's own)."""
   processes: int
   microbatches: int | None = None
+  global_batch: int | None = None  # rows a step, with batch="per_device" (None: the command's)
 
 
 def read_hosts(path: str) -> list[str]:
@@ -74,12 +84,14 @@ def job_config(train_args: Sequence[str]):
   return values.config
 
 
-def with_microbatches(train_args: Sequence[str], microbatches: int | None) -> list[str]:
-  """`train_args` with train.microbatches set to `microbatches` (unchanged for None)."""
-  if microbatches is None:
-    return list(train_args)
-  kept = [a for a in train_args if not a.startswith(MICROBATCHES_FLAG + "=")]
-  return [*kept, f"{MICROBATCHES_FLAG}={microbatches}"]
+def with_size(train_args: Sequence[str], size: Size) -> list[str]:
+  """`train_args` with the micro-batches and global batch `size` sets (None: unchanged)."""
+  args = list(train_args)
+  for flag, value in ((MICROBATCHES_FLAG, size.microbatches),
+                      (GLOBAL_BATCH_FLAG, size.global_batch)):
+    if value is not None:
+      args = [*[a for a in args if not a.startswith(flag + "=")], f"{flag}={value}"]
+  return args
 
 
 def _rows_per_device(config, devices) -> int:
@@ -89,31 +101,86 @@ def _rows_per_device(config, devices) -> int:
   return config.data.global_batch_size // config.train.microbatches // spec.batch_ways
 
 
-def fit(train_args: Sequence[str], hosts: int, processes: int,
-        devices_per_process: int) -> Size:
+def _check_parameters(config, devices) -> None:
+  """Raises the training command's error when the parameters do not split over the mesh of
+  `devices` (fsdp 3 and a 32-wide embedding), which config.resolve does not check."""
+  import sharding  # pylint: disable=g-import-not-at-top
+  from toolkit.training import config as config_lib, state as state_lib  # pylint: disable=g-import-not-at-top
+  spec = config_lib.resolve(config, devices)
+  sharding.sharding_report(state_lib.param_entries(spec.model)[1], spec.rules, spec.mesh)
+
+
+def fit(train_args: Sequence[str], hosts: int, processes: int, devices_per_process: int,
+        keep: str = "global") -> Size:
   """The largest job of at most `hosts` processes (of the `processes` asked for) that trains
-  the same global batches, each device holding at most the rows it held on the full job."""
+  the same global batches, each device holding at most the rows it held on the full job; with
+  `keep="per_device"`, the largest whose devices each hold exactly those rows in the command's
+  micro-batches, the global batch scaled with the devices."""
+  if keep not in BATCH_MODES:
+    raise HostsError(f"--elastic_batch={keep}: give one of {', '.join(BATCH_MODES)}")
   import jax  # pylint: disable=g-import-not-at-top
   devices = jax.devices("cpu")
   if len(devices) < processes * devices_per_process:
     raise HostsError(f"sizing a restart needs {processes * devices_per_process} CPU devices in "
                      f"the supervisor; it has {len(devices)}")
   config = job_config(train_args)
-  asked = config.train.microbatches
   full = _rows_per_device(config, devices[:processes * devices_per_process])
   batch = config.data.global_batch_size
   refusals = []
   for count in range(min(hosts, processes), 0, -1):
-    for microbatches in [m for m in range(asked, batch + 1) if batch % m == 0]:
-      config.train.microbatches = microbatches
-      try:
-        rows = _rows_per_device(config, devices[:count * devices_per_process])
-      except ValueError as e:  # ConfigError, ShardingError: not with this many micro-batches
-        refusals.append(f"{count} process(es): {str(e).split('. ')[0]}")
+    job = devices[:count * devices_per_process]
+    size = (_same_rows(config, job, count, processes, full, refusals) if keep == "per_device"
+            else _same_batch(config, job, count, full, refusals))
+    if size is not None:
+      return size
+  kept = ("each device's rows" if keep == "per_device"
+          else f"the config with its global batch ({batch} rows)")
+  raise HostsError(f"no job of at most {hosts} of the {processes} processes fits {kept} "
+                   f"({refusals[0] if refusals else ''}); a mesh axis of size -1 (e.g. "
+                   f"--config.mesh.ici=fsdp:-1) lets the mesh shrink")
+
+
+def _same_batch(config, devices, count: int, full: int, refusals: list[str]) -> Size | None:
+  """`count` processes on `devices` with the global batch whole, in the fewest micro-batches
+  (at least the command's) that leave each device at most `full` rows."""
+  asked, batch = config.train.microbatches, config.data.global_batch_size
+  for microbatches in [m for m in range(asked, batch + 1) if batch % m == 0]:
+    config.train.microbatches = microbatches
+    try:
+      if _rows_per_device(config, devices) > full:
         continue
-      if rows <= full:
-        return Size(count, None if microbatches == asked else microbatches)
-  raise HostsError(f"no job of at most {hosts} of the {processes} processes fits the config "
-                   f"with its global batch ({batch} rows) ({refusals[0] if refusals else ''}); "
-                   f"a mesh axis of size -1 (e.g. --config.mesh.ici=fsdp:-1) lets the mesh "
-                   f"shrink")
+      _check_parameters(config, devices)
+      return Size(count, None if microbatches == asked else microbatches)
+    except ValueError as e:  # ConfigError, ShardingError: not on this mesh, or not so split
+      refusals.append(f"{count} process(es): {_first_sentence(e)}")
+    finally:
+      config.train.microbatches = asked
+  return None
+
+
+def _same_rows(config, devices, count: int, processes: int, full: int,
+               refusals: list[str]) -> Size | None:
+  """`count` processes on `devices` with `full` rows a device in the command's micro-batches:
+  the global batch scaled by count / processes, when that is whole and the mesh splits it so."""
+  batch = config.data.global_batch_size
+  if batch * count % processes:
+    refusals.append(f"{count} process(es): {batch} rows x {count} / {processes} is not whole")
+    return None
+  config.data.global_batch_size = batch * count // processes
+  try:
+    rows = _rows_per_device(config, devices)
+    _check_parameters(config, devices)
+  except ValueError as e:  # ConfigError, ShardingError
+    refusals.append(f"{count} process(es): {_first_sentence(e)}")
+    return None
+  finally:
+    smaller, config.data.global_batch_size = config.data.global_batch_size, batch
+  if rows != full:
+    refusals.append(f"{count} process(es): {rows} rows a device instead of {full}")
+    return None
+  return Size(count, global_batch=None if smaller == batch else smaller)
+
+
+def _first_sentence(error: ValueError) -> str:
+  """An error's cause without its advice (the fit's own message gives the fix)."""
+  return str(error).split(". ")[0].split("; ")[0]

@@ -100,9 +100,10 @@ class Supervisor:
                max_restarts: int = 3, restart_delay_s: float = 1.0, grace_s: float = 30.0,
                out: TextIO | None = None, err: TextIO | None = None, environ=None,
                hosts_file: str | None = None, replace_timeout_s: float = 300.0,
-               poll_s: float = 1.0):
+               poll_s: float = 1.0, elastic_batch: str = "global"):
     self.processes, self.devices_per_process = processes, devices_per_process
     self.hosts_file, self.replace_timeout_s, self.poll_s = hosts_file, replace_timeout_s, poll_s
+    self.elastic_batch = elastic_batch  # what a smaller job keeps (toolkit/pod/elastic.py)
     self.train_args = list(train_args)
     self.max_restarts, self.restart_delay_s, self.grace_s = max_restarts, restart_delay_s, grace_s
     self.out, self.err = out or sys.stdout, err or sys.stderr
@@ -176,12 +177,18 @@ class Supervisor:
           return None
       if listed >= self.processes:
         return elastic.Size(self.processes)
-      size = elastic.fit(self.train_args, listed, self.processes, self.devices_per_process)
+      size = elastic.fit(self.train_args, listed, self.processes, self.devices_per_process,
+                         self.elastic_batch)
     except elastic.HostsError as e:
       self.say(f"error: {e}")
       return None
     batches = ("" if size.microbatches is None else
                f", the same global batch in train.microbatches={size.microbatches}")
+    if size.global_batch is not None:
+      batches = (f", {size.global_batch} rows a step instead of "
+                 f"{elastic.job_config(self.train_args).data.global_batch_size} (the same rows "
+                 f"a device): each step trains on fewer examples, and other ones than the "
+                 f"uninterrupted run's")
     self.say(f"running on {size.processes} of {self.processes} hosts ({listed} listed): "
              f"{size.processes * self.devices_per_process} devices{batches}; it grows back "
              f"when the hosts file lists more")
@@ -190,7 +197,7 @@ class Supervisor:
   def _attempt(self, number: int, size: elastic.Size) -> Attempt:
     attempt = Attempt(number, time.monotonic(), size=size)
     job = local.Pod(size.processes, self.devices_per_process,
-                    elastic.with_microbatches(self.train_args, size.microbatches),
+                    elastic.with_size(self.train_args, size),
                     grace_s=self.grace_s, environ=self._job_environ(attempt), out=self.out,
                     err=self.err)
     self.job, self._resizing = job, False
@@ -225,7 +232,8 @@ class Supervisor:
         listed = min(self._hosts(), self.processes)
         larger = listed > size.processes and (
             listed == self.processes or elastic.fit(self.train_args, listed, self.processes,
-                                                    self.devices_per_process).processes
+                                                    self.devices_per_process,
+                                                    self.elastic_batch).processes
             > size.processes)
       except elastic.HostsError:
         continue  # the file is being rewritten, or no larger job fits yet
@@ -338,11 +346,11 @@ class Supervisor:
 
 def supervise(processes: int, devices_per_process: int, train_args: Sequence[str],
               max_restarts: int, restart_delay_s: float, hosts_file: str | None = None,
-              replace_timeout_s: float = 300.0) -> int:
+              replace_timeout_s: float = 300.0, elastic_batch: str = "global") -> int:
   """The `toolkit.supervise` command: a supervisor with SIGINT/SIGTERM passed on as a stop."""
   supervisor = Supervisor(processes, devices_per_process, train_args, max_restarts=max_restarts,
                           restart_delay_s=restart_delay_s, hosts_file=hosts_file,
-                          replace_timeout_s=replace_timeout_s)
+                          replace_timeout_s=replace_timeout_s, elastic_batch=elastic_batch)
 
   def handle(signum, frame):
     del frame

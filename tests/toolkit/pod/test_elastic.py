@@ -43,9 +43,40 @@ TIMEOUT_S = 300  # three attempts of 2-4 processes on 2 shared cores: ~60-120 s
     # A mesh that fills its data axis keeps the rows of a device on fewer hosts only with
     # more micro-batches, and 3 hosts (6 devices) never split 16 rows.
     (3, ["--config.mesh.ici=data:-1,fsdp:1,tensor:2"], elastic.Size(2, 2)),
+    # 24 rows split 3 ways, but fsdp 3 cannot split the 32-wide embedding: 2 hosts.
+    (3, ["--config.data.global_batch_size=24"], elastic.Size(2, 2)),
 ])
 def test_a_smaller_job_keeps_the_global_batch_and_each_devices_rows(hosts, args, expected):
   assert elastic.fit([*TINY, *args], hosts, 4, 2) == expected
+
+
+DATA_PARALLEL = "--config.mesh.ici=data:-1,fsdp:1,tensor:2"
+
+
+@pytest.mark.parametrize("hosts,args,expected", [
+    (4, [], elastic.Size(4)),
+    # Each device keeps its 4 rows in one micro-batch: 2 hosts train 8 rows a step, 1 host 4;
+    # fsdp 3 cannot split the 32-wide embedding, so 3 hosts run as 2.
+    (3, [], elastic.Size(2, global_batch=8)),
+    (1, [], elastic.Size(1, global_batch=4)),
+    # Data parallel, the parameters whole on each device: 3 hosts train 12 rows, in 2
+    # micro-batches of 2 rows a device when 2 were asked for.
+    (3, [DATA_PARALLEL], elastic.Size(3, global_batch=12)),
+    (3, [DATA_PARALLEL, "--config.train.microbatches=2"], elastic.Size(3, global_batch=12)),
+    # 24 rows, 6 a device: 18 on 3 hosts.
+    (3, [DATA_PARALLEL, "--config.data.global_batch_size=24"], elastic.Size(3, global_batch=18)),
+    # A mesh of fixed sizes cannot shrink.
+    (3, ["--config.mesh.ici=data:1,fsdp:4,tensor:2"], None),
+])
+def test_a_smaller_job_can_keep_each_devices_rows_instead(hosts, args, expected):
+  if expected is None:
+    with pytest.raises(elastic.HostsError, match=r"no job of at most 3 of the 4 processes fits "
+                       r"each device's rows \(3 process\(es\): .* uses 8 devices per slice"):
+      elastic.fit([*TINY, *args], hosts, 4, 2, keep="per_device")
+    return
+  assert elastic.fit([*TINY, *args], hosts, 4, 2, keep="per_device") == expected
+  with pytest.raises(elastic.HostsError, match=r"--elastic_batch=local: give one of global, "):
+    elastic.fit(TINY, hosts, 4, 2, keep="local")
 
 
 def test_a_mesh_that_cannot_shrink_is_one_error_naming_the_fix():
@@ -64,9 +95,11 @@ def test_the_hosts_file_and_the_micro_batch_flag(tmp_path):
   with pytest.raises(elastic.HostsError, match=r"--hosts_file=.*missing: no such file"):
     elastic.read_hosts(str(tmp_path / "missing"))
   args = [*TINY, "--config.train.microbatches=2", "--workdir=w"]
-  assert elastic.with_microbatches(args, None) == args
-  assert elastic.with_microbatches(args, 4) == [*TINY, "--workdir=w",
-                                                "--config.train.microbatches=4"]
+  assert elastic.with_size(args, elastic.Size(4)) == args
+  assert elastic.with_size(args, elastic.Size(2, 4)) == [*TINY, "--workdir=w",
+                                                         "--config.train.microbatches=4"]
+  assert elastic.with_size(args, elastic.Size(3, global_batch=12)) == [
+      *args, "--config.data.global_batch_size=12"]
 
 
 def test_a_lost_host_is_waited_for_then_the_job_restarts_on_those_listed(tmp_path):
@@ -91,6 +124,15 @@ def test_a_lost_host_is_waited_for_then_the_job_restarts_on_those_listed(tmp_pat
   started = time.monotonic()
   assert supervisor._size(crash) == elastic.Size(4)
   assert time.monotonic() - started < 5
+  # Keeping each device's rows instead: 2 hosts, 8 rows a step, the change stated.
+  hosts.write_text("a\nb\nc\n")
+  err.truncate(0), err.seek(0)
+  supervisor.replace_timeout_s, supervisor.elastic_batch = 0, "per_device"
+  assert supervisor._size(crash) == elastic.Size(2, global_batch=8)
+  assert err.getvalue().splitlines()[-1] == (
+      "[supervise] running on 2 of 4 hosts (3 listed): 4 devices, 8 rows a step instead of 16 "
+      "(the same rows a device): each step trains on fewer examples, and other ones than the "
+      "uninterrupted run's; it grows back when the hosts file lists more")
 
 
 def test_a_missing_hosts_file_is_one_line_and_starts_nothing(tmp_path):
