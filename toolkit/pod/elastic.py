@@ -105,7 +105,8 @@ def _check_parameters(config, devices) -> None:
   """Raises the training command's error when the parameters do not split over the mesh of
   `devices` (fsdp 3 and a 32-wide embedding), which config.resolve does not check."""
   import sharding  # pylint: disable=g-import-not-at-top
-  from toolkit.training import config as config_lib, state as state_lib  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from toolkit.training import config as config_lib, state as state_lib
   spec = config_lib.resolve(config, devices)
   sharding.sharding_report(state_lib.param_entries(spec.model)[1], spec.rules, spec.mesh)
 

@@ -186,7 +186,9 @@ class Pod:
         code = proc.returncode
         self._note(f"p{proc.process_id} {describe_status(code)} after "
                    f"{now - self.started_at:.1f} s")
-        if code != 0 and first_failure is None:
+        # A signal's end (a killed host) wins over an exit status seen at the same poll (the
+        # peers it took down): it is the cause.
+        if code != 0 and (first_failure is None or (failed_at == now and code < 0 < first_failure)):
           first_failure, failed_at = code, now
       if len(self.exit_times) == len(self.procs):
         break

@@ -277,7 +277,10 @@ class Supervisor:
       if self._resizing and not self._stop_requested:
         return "resized", "stopped to grow back onto the hosts listed again"
       return ("stopped" if self._stop_requested else "finished"), "exit status 0"
-    failed = min(job.exit_times, key=lambda i: (job.procs[i].returncode == 0, job.exit_times[i]))
+    # The first to fail; of those seen failing at the same poll, one a signal ended before the
+    # ones whose exit status says a peer died (a SIGKILLed host and the peers it took down).
+    failed = min(job.exit_times, key=lambda i: (job.procs[i].returncode == 0, job.exit_times[i],
+                                                job.procs[i].returncode > 0))
     detail = f"p{failed} {local.describe_status(job.procs[failed].returncode)}"
     if code == INTERRUPTED_EXIT:
       return "stopped", detail

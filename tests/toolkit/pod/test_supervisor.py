@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import types
 
 import pytest
 
@@ -113,3 +114,16 @@ def test_a_crash_and_a_hang_are_restarted_and_the_losses_equal_an_uninterrupted_
   assert 0 < goodput["job_restart_seconds"] and goodput["job_wall_seconds"] <= record["wall_s"]
   assert re.search(r"^\[p0\] goodput .*; the job \(attempt 3\): [\d.]+ s since it started, "
                    r"[\d.]+ s waiting out hangs", output, re.M), output[-3000:]
+
+
+def test_a_killed_host_is_named_before_the_peers_it_took_down():
+  """Seen ending at the same poll (within 50 ms), the process a signal killed is the cause,
+  not a peer that exited 1 because it died (insertion order alone named the peer)."""
+  procs = [types.SimpleNamespace(returncode=code) for code in (1, 0, 1, -signal.SIGKILL)]
+  job = types.SimpleNamespace(procs=procs, exit_times={0: 5.0, 2: 5.0, 3: 5.0, 1: 6.0})
+  supervisor = supervisor_lib.Supervisor(4, 2, ["--config=experiments/lm.py:tiny"])
+  attempt = supervisor_lib.Attempt(1, 0.0, returncode=1, first_progress=1.0)
+  assert supervisor._classify(attempt, job) == ("crash", "p3 killed by SIGKILL")
+  # One that failed earlier is still the first.
+  job.exit_times[0] = 4.9
+  assert supervisor._classify(attempt, job) == ("crash", "p0 exit status 1")
