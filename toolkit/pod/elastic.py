@@ -15,7 +15,7 @@ is a function of the seed and s whatever the mesh (toolkit/data), so every globa
 uninterrupted run's, and the losses equal its losses to rounding (the reduction order changes
 with the mesh).
 
-With `batch="per_device"` (`toolkit.supervise --elastic_batch=per_device`) a smaller job keeps
+With `keep="per_device"` (`toolkit.supervise --elastic_batch=per_device`) a smaller job keeps
 instead each device's rows and micro-batches, and the global batch shrinks with the devices
 (16 rows on 8 devices -> 12 on 6): the steps stay as fast, but each trains on fewer examples
 and, from the restored step on, other ones than the uninterrupted run's (the batch of step s
@@ -45,7 +45,7 @@ class Size:
   command's own)."""
   processes: int
   microbatches: int | None = None
-  global_batch: int | None = None  # rows a step, with batch="per_device" (None: the command's)
+  global_batch: int | None = None  # rows a step, with keep="per_device" (None: the command's)
 
 
 def read_hosts(path: str) -> list[str]:
@@ -150,12 +150,18 @@ def _same_batch(config, devices, count: int, full: int, refusals: list[str]) -> 
     try:
       if _rows_per_device(config, devices) > full:
         continue
-      _check_parameters(config, devices)
-      return Size(count, None if microbatches == asked else microbatches)
-    except ValueError as e:  # ConfigError, ShardingError: not on this mesh, or not so split
+    except ValueError as e:  # ConfigError, ShardingError: not with this many micro-batches
       refusals.append(f"{count} process(es): {_first_sentence(e)}")
+      continue
+    try:
+      _check_parameters(config, devices)  # the same for every micro-batch count: once
+    except ValueError as e:
+      refusals.append(f"{count} process(es): {_first_sentence(e)}")
+      return None
     finally:
       config.train.microbatches = asked
+    return Size(count, None if microbatches == asked else microbatches)
+  config.train.microbatches = asked
   return None
 
 
