@@ -26,8 +26,9 @@ Variants after the colon, comma separated:
                --config.data.path=train.jsonl --config.data.eval_path=held_out.jsonl
 Single fields: --config.dpo.beta=0.5, --config.dpo.loss=ipo, --config.dpo.loss=robust
 --config.dpo.label_smoothing=0.1, ...; every weight instead of adapters: --config.model.lora_rank=0
-(the reference then is the starting weights' log-probabilities, precomputed before step 1:
-dpo.reference; a smaller learning rate, e.g. --config.optimizer.learning_rate=3e-4)
+(the reference then is the starting weights' log-probabilities, precomputed before step 1,
+or --config.dpo.reference=frozen for a copy of the weights in the train state; a smaller
+learning rate, e.g. --config.optimizer.learning_rate=3e-4)
 """
 from experiments import lm, sft
 from toolkit.training.config import defaults

@@ -32,7 +32,9 @@ Variants after the colon, comma separated:
                every chip, 8 prompts x 8 completions of 1024 positions a step: for
                toolkit.compile (docs/post_training.md)
 Single fields: --config.grpo.generations=16, --config.grpo.beta=0.04, --config.grpo.loss=grpo,
---config.grpo.reward=path/to/file.py:my_reward (called as my_reward(completion, answer)), ...
+--config.grpo.reward=path/to/file.py:my_reward (called as my_reward(completion, answer)), ...;
+every weight instead of adapters: --config.model.lora_rank=0 (the KL penalty's reference then
+is a frozen copy of the starting weights in the train state: grpo.reference)
 """
 from experiments import lm, sft
 from toolkit.training.config import defaults

@@ -2,9 +2,13 @@
 the data modules that fill them: those import Grain and the chat template, which the training
 command imports only for the data that needs them (tests/toolkit/training/test_metrics.py)."""
 
-# DPO's reference log-probabilities of each pair's two sides, (pairs, 2) float32, when
-# dpo.reference="precomputed" (toolkit/data/preference.py, toolkit/training/dpo_reference.py).
+# DPO's reference log-probabilities of each pair's two sides, (pairs, 2) float32: served with
+# the data when dpo.reference="precomputed" (toolkit/data/preference.py,
+# toolkit/training/dpo_reference.py), computed in the step from a frozen copy when "frozen".
 REFERENCE_LOGPS = "reference_logps"
+# GRPO's reference log-probability of each position's target, (rows, length) float32, when the
+# state holds a frozen reference copy (toolkit/training/tasks.py `grpo_reference`).
+REFERENCE_TOKEN_LOGPS = "reference_token_logps"
 
 # GRPO's reductions that average over the batch's completion tokens: their batches name the
 # completion mask "loss_weights", so micro-batches are combined by their tokens

@@ -51,13 +51,11 @@ from toolkit.errors import ConfigError
 Messages = list[dict]
 KEYS = ("inputs", "targets", "completion_weights")
 REFERENCE = keys.REFERENCE_LOGPS  # (pairs, 2) float32, with dpo.reference="precomputed"
-REFERENCES = ("auto", "base", "precomputed")
-
-
 def reference_precomputed(reference: str, lora_rank: int) -> bool:
-  """Whether DPO's reference log-probabilities are precomputed (`REFERENCES`): "precomputed",
-  or "auto" without LoRA adapters; "base" (and "auto" with adapters) is the adapters' base
-  model, run beside the policy in each step."""
+  """Whether DPO's reference log-probabilities are precomputed (dpo.reference, whose values
+  toolkit/training/tasks.py `REFERENCES` lists): "precomputed", or "auto" without LoRA
+  adapters; "base" (and "auto" with adapters) is the adapters' base model and "frozen" a copy
+  of the starting weights in the train state, each run beside the policy in each step."""
   return reference == "precomputed" or (reference == "auto" and not lora_rank)
 
 

@@ -26,6 +26,8 @@ only the adapters).
                              statistic), the MLP's gate and up projections
                   save_attention  the layer input, q/k/v and the attention output
                   full       the layer input only
+  reference     post-training's frozen copy of the starting weights, when the state holds one
+                (dpo/grpo.reference="frozen"): the params again
   logits        unchunked: float32 logits, their gradient and a compute-dtype copy (vocab over
                 tensor); chunked (model.loss_chunk): the same for one chunk of tokens, one
                 float32 logsumexp per token, the float32 gradient accumulator of the output
@@ -62,7 +64,7 @@ import math
 import sharding
 from models import LlamaConfig, lora
 from models import attention as attention_lib
-from toolkit.training import config as config_lib, losses
+from toolkit.training import config as config_lib, losses, tasks
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -83,6 +85,9 @@ class Shape:
   # With LoRA adapters: what trains (the adapters), per device and in all; None: everything.
   trainable_bytes_per_device: int | None = None
   trainable_count: int | None = None
+  # Post-training's reference model as a frozen copy of the starting weights in the train
+  # state (dpo/grpo.reference, toolkit.training.tasks `frozen_reference`): params again.
+  reference_copy: bool = False
 
   @property
   def trainable_bytes(self) -> float:
@@ -158,11 +163,12 @@ class Memory:
   activations: float
   logits: float
   weights_in_use: float
+  reference: float = 0.0  # a frozen copy of the starting weights (Shape.reference_copy)
 
   @property
   def total(self) -> float:
     return (self.params + self.optimizer + self.gradients + self.activations + self.logits
-            + self.weights_in_use)
+            + self.weights_in_use + self.reference)
 
   def as_dict(self) -> dict[str, float]:
     return {**dataclasses.asdict(self), "total": self.total}
@@ -251,7 +257,8 @@ def memory(shape: Shape) -> Memory:
   weights_in_use = a * (copies * _layer_weights_per_device(shape) / tensor
                         + tables * m.vocab_size * m.d_model / shape.param_ways("vocab"))
   return Memory(params=params, optimizer=2 * trainable, gradients=gradients,
-                activations=activations, logits=logits, weights_in_use=weights_in_use)
+                activations=activations, logits=logits, weights_in_use=weights_in_use,
+                reference=params if shape.reference_copy else 0.0)
 
 
 def model_flops_per_step(shape: Shape) -> float:
@@ -455,4 +462,6 @@ def shape_for(spec, config, report, num_slices: int = 1) -> Shape:
                platform=spec.mesh.devices.flat[0].platform,
                trainable_bytes_per_device=(sum(r.per_device_bytes for r in adapters)
                                            if adapters else None),
-               trainable_count=sum(math.prod(r.shape) for r in adapters) if adapters else None)
+               trainable_count=sum(math.prod(r.shape) for r in adapters) if adapters else None,
+               reference_copy=tasks.frozen_reference(spec.task, config.get(spec.task, {}),
+                                                     spec.model.lora_rank))

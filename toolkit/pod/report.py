@@ -146,6 +146,8 @@ def _memory_lines(r: Report) -> list[str]:
   rows += [("params", None, a["params"]), ("optimizer state", None, a["optimizer"]),
            ("gradients", None, a["gradients"]), ("activations", None, a["activations"]),
            ("logits", None, a["logits"]), ("weights in use", None, a["weights_in_use"])]
+  if a.get("reference"):
+    rows.append(("frozen reference", None, a["reference"]))
   for name, compiled, analytic in rows:
     lines.append(f"  {name:<21}{_cell(compiled)}{_cell(analytic)}")
   total = r.memory["total"] if r.memory else (r.out_of_memory or {}).get("required_bytes")

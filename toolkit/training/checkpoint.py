@@ -255,6 +255,15 @@ class Checkpoints:
     """False for checkpoints written before fingerprints existed (they restore unverified)."""
     return (epath.Path(self.directory) / str(step) / "integrity").exists()
 
+  def state_parts(self, step: int) -> set[str] | None:
+    """The top-level entries of `step`'s state ("step", "params", "opt_state", "rng", and
+    "reference" for a state with a frozen copy), from its fingerprints; None for a checkpoint
+    written before fingerprints existed (and before frozen copies: it holds none)."""
+    if not self.has_fingerprints(step):
+      return None
+    saved = self._read(step, "its fingerprints", integrity=ocp.args.JsonRestore())["integrity"]
+    return {path.split("/")[0] for path in saved}
+
   def saved_config(self, step: int) -> dict:
     return self._read(step, "its config", config=ocp.args.JsonRestore())["config"]
 

@@ -107,18 +107,22 @@ def _post_training_defaults(c: ml_collections.ConfigDict) -> None:
   # probability that a pair's labels are flipped. reference: where the reference model's
   # log-probabilities come from: "base" (a LoRA model's base: the adapters off, a forward pass
   # a step), "precomputed" (the starting weights, one pass over the pairs before the first
-  # step, toolkit/training/dpo_reference.py: any model, LoRA or not) or "auto" (base with
-  # LoRA adapters, else precomputed).
+  # step, toolkit/training/dpo_reference.py: any model, LoRA or not), "frozen" (a copy of the
+  # starting weights in the train state, a forward pass a step: as many bytes again as the
+  # parameters) or "auto" (base with LoRA adapters, else precomputed).
   c.dpo = ml_collections.ConfigDict(dict(beta=0.1, loss="sigmoid", label_smoothing=0.0,
                                          reference="auto"))
   # Reinforcement learning (data.source="prompts": toolkit/post_training/grpo.py, the
   # objective toolkit/training/grpo.py): completions sampled per prompt and their length and
-  # sampling; the KL penalty beta (to a LoRA model's base; 0 is off), the clip range, the
-  # reduction (grpo, bnpo, dr_grpo, dapo), how advantages are scaled (group, batch, none), and
-  # the reward function, "module:function" or "path/file.py:function".
+  # sampling; the KL penalty beta (0 is off) and its reference ("base": a LoRA model's base;
+  # "frozen": a copy of the starting weights in the train state, as many bytes again as the
+  # parameters; "auto": base with LoRA adapters, else frozen), the clip range, the reduction
+  # (grpo, bnpo, dr_grpo, dapo), how advantages are scaled (group, batch, none), and the
+  # reward function, "module:function" or "path/file.py:function".
   c.grpo = ml_collections.ConfigDict(dict(
       generations=4, max_tokens=16, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
-      epsilon=0.2, epsilon_high=0.2, loss="dapo", scale_rewards="group", reward=""))
+      reference="auto", epsilon=0.2, epsilon_high=0.2, loss="dapo", scale_rewards="group",
+      reward=""))
 
 
 def check_ranges(config: ml_collections.ConfigDict) -> None:

@@ -13,29 +13,33 @@ def check_preference(config: ml_collections.ConfigDict, model, mesh: Mesh,
                      default: ml_collections.ConfigDict) -> None:
   """Preference tuning (task dpo): the objective's settings, a reference the model has (the
   base needs LoRA adapters), no dropout, whole rows on each device."""
-  from toolkit.data import preference  # pylint: disable=g-import-not-at-top
   from toolkit.training import dpo  # pylint: disable=g-import-not-at-top
   settings = config.get("dpo", default)
   try:
     dpo.check(settings.beta, settings.loss, settings.label_smoothing)
   except ValueError as e:
     raise ConfigError(f"dpo.{e}") from None
-  reference = settings.get("reference", "auto")
-  if reference not in preference.REFERENCES:
-    raise ConfigError(f"dpo.reference={reference!r} is unknown; choose one of "
-                      f"{', '.join(preference.REFERENCES)}")
-  if reference == "base" and not model.lora_rank:
-    raise ConfigError("dpo.reference='base' is a LoRA model's base (its adapters off), and "
-                      "model.lora_rank is 0; set model.lora_rank (e.g. 16) or "
-                      "dpo.reference='precomputed' (the starting weights' log-probabilities, "
-                      "one pass before the first step)")
+  _check_reference("dpo", settings, model, "dpo.reference='precomputed' (the starting "
+                   "weights' log-probabilities, one pass before the first step) or 'frozen'")
   _whole_rows(model, mesh, "preference tuning")
+
+
+def _check_reference(task: str, settings, model, instead: str) -> None:
+  """The section's `reference` is one the task knows and the model has (tasks.REFERENCES)."""
+  from toolkit.training import tasks  # pylint: disable=g-import-not-at-top
+  reference = settings.get("reference", "auto")
+  if reference not in tasks.REFERENCES[task]:
+    raise ConfigError(f"{task}.reference={reference!r} is unknown; choose one of "
+                      f"{', '.join(tasks.REFERENCES[task])}")
+  if reference == "base" and not model.lora_rank:
+    raise ConfigError(f"{task}.reference='base' is a LoRA model's base (its adapters off), and "
+                      f"model.lora_rank is 0; set model.lora_rank (e.g. 16) or {instead}")
 
 
 def check_grpo(config: ml_collections.ConfigDict, model, mesh: Mesh,
                default: ml_collections.ConfigDict) -> None:
   """Reinforcement learning (task grpo): the objective's settings (the sampling's numbers are
-  ranges.py's), a reward function named, a KL reference the model has, room for the
+  ranges.py's), a reward function named, a KL reference the model has and reads, room for the
   completions."""
   from toolkit.training import grpo  # pylint: disable=g-import-not-at-top
   settings = config.get("grpo", default)
@@ -47,10 +51,12 @@ def check_grpo(config: ml_collections.ConfigDict, model, mesh: Mesh,
   if not settings.reward:
     raise ConfigError("grpo.reward is empty: name the reward function, 'module:function' or "
                       "'path/to/file.py:function', called as reward(completion, answer)")
-  if settings.beta and not model.lora_rank:
-    raise ConfigError(f"grpo.beta={settings.beta}: the KL penalty's reference is a LoRA "
-                      f"model's base, and model.lora_rank is 0; set grpo.beta=0 or "
-                      f"model.lora_rank (e.g. 16)")
+  _check_reference("grpo", settings, model, "grpo.reference='frozen' (a copy of the starting "
+                   "weights in the train state)")
+  if settings.get("reference", "auto") != "auto" and not settings.beta:
+    raise ConfigError(f"grpo.reference={settings.reference!r} with grpo.beta=0: without the KL "
+                      f"penalty nothing reads the reference; set grpo.beta > 0 (e.g. 0.04) or "
+                      f"grpo.reference='auto'")
   if settings.max_tokens >= config.data.seq_len:
     raise ConfigError(f"grpo.max_tokens={settings.max_tokens} leaves no room for a prompt in "
                       f"data.seq_len={config.data.seq_len} + 1 tokens; raise data.seq_len or "

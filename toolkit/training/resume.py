@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
@@ -53,7 +54,7 @@ def restore_newest_good(checkpoints: checkpoint.Checkpoints, setup: Setup,
   damaged: list[checkpoint.DamagedCheckpoint] = []
   for step in reversed(checkpoints.all_steps()):
     try:
-      state, data_position = restore_step(checkpoints, step, setup)
+      state, data_position = restore_step(checkpoints, step, setup, own=True)
     except checkpoint.DamagedCheckpoint as e:
       damaged.append(e)
       continue
@@ -121,19 +122,51 @@ def restore_other_run(resume_from: str, setup: Setup, log: Callable[[str], None]
     other.close(timeout_s=60)
 
 
-def restore_step(checkpoints: checkpoint.Checkpoints, step: int, setup: Setup
-                 ) -> tuple[state_lib.State, dict]:
+def restore_step(checkpoints: checkpoint.Checkpoints, step: int, setup: Setup,
+                 own: bool = False) -> tuple[state_lib.State, dict]:
   """Restores one step after checking that its model fits this config (a different model is a
-  ConfigError, not damage); every process agrees on whether it restored."""
+  ConfigError, not damage); every process agrees on whether it restored.
+
+  A frozen reference copy (state.py) the config holds and the checkpoint does not, or the
+  other way round: the run's `own` checkpoints are refused (its reference would change
+  mid-run); another run's (train.resume_from) restore without it, and a copy of the restored
+  weights, where this run starts, becomes the reference."""
   where = f"{checkpoints.directory} step {step}"
-  saved, damage = {}, None
+  saved, parts, damage = {}, None, None
   try:
     saved = checkpoints.saved_config(step)
+    parts = checkpoints.state_parts(step)
   except checkpoint.DamagedCheckpoint as e:
     damage = e
   _agree(damage, checkpoints, step)
   checkpoint.check_compatible(saved, setup.spec.model, where)
-  return checkpoints.restore(step, setup.layout.abstract, agree=_agree)
+  abstract = setup.layout.abstract
+  saved_copy = "reference" in (parts or ())
+  if saved_copy == setup.layout.reference:
+    return checkpoints.restore(step, abstract, agree=_agree)
+  if own:
+    raise ConfigError(_reference_changed(saved, setup, where, saved_copy))
+  state, position = checkpoints.restore(
+      step, {k: v for k, v in abstract.items() if k != "reference"}, agree=_agree,
+      partial=saved_copy)
+  if setup.layout.reference:
+    state["reference"] = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                                 out_shardings=setup.layout.shardings["reference"])(
+                                     state["params"])
+  return state, position
+
+
+def _reference_changed(saved: dict, setup: Setup, where: str, saved_copy: bool) -> str:
+  task = setup.spec.task
+  section = saved.get(task, {})
+  written = [f"--config.{task}.reference={section.get('reference', 'auto')!r}"]
+  if task == "grpo":  # "auto" keeps a copy for a KL penalty without adapters
+    written.append(f"--config.grpo.beta={section.get('beta', 0.0)}")
+  held = "holds a frozen reference copy" if saved_copy else "holds no frozen reference copy"
+  return (f"checkpoint {where} {held} and this config's {task} settings "
+          f"{'keep none' if saved_copy else 'keep one'}: the reference would change mid-run; "
+          f"resume with the settings it was written with ({' '.join(written)}), or train into "
+          f"a new --workdir (train.resume_from starts there from its weights)")
 
 
 def restored_line(checkpoints: checkpoint.Checkpoints, step: int) -> str:

@@ -2,12 +2,14 @@
 and create the workdir, write config.json, log the devices, mesh, sharding and settings."""
 from __future__ import annotations
 
+import math
 import os
 
 import jax
 import ml_collections
 
 from toolkit import workdir as workdir_lib
+from toolkit.accelerators import human_bytes
 from toolkit.errors import ConfigError
 from toolkit.training import storage, watchdog as watchdog_lib
 from toolkit.training.setup import Setup
@@ -66,4 +68,17 @@ def log_setup(config: ml_collections.ConfigDict, setup: Setup) -> None:
                                     config.sharding.replicated_action)
   if warning:
     log(f"warning: {warning}")
+  if setup.layout.reference:
+    log(f"reference: a frozen copy of the starting weights in the train state "
+        f"({setup.task.name}.reference={config[setup.task.name].reference!r}), "
+        f"{human_bytes(reference_bytes_per_device(setup))} per device (the parameters' size "
+        f"again), read by a forward pass each step")
   log(watchdog_lib.describe(config))
+
+
+def reference_bytes_per_device(setup: Setup) -> int:
+  """Bytes of the state's frozen reference copy on its most loaded device (0 without one)."""
+  if not setup.layout.reference:
+    return 0
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree.leaves(setup.layout.abstract["reference"]))

@@ -4,6 +4,9 @@ materializing it unsharded: `eval_shape` gives the abstract state, the rules giv
 
 State layout (a plain dict, which is also the checkpoint layout):
   step: int32 scalar · params: nested dict of arrays · opt_state: optax state · rng: uint32[2]
+  reference: a frozen copy of the starting params, sharded like them, when the layout holds
+             one (`layout(reference=True)`: post-training's reference model, kept unchanged
+             by every step, checkpointed and restored with the rest)
 
 Trainable and frozen parameters (`split_trainable`): a model with LoRA adapters
 (models/lora.py) trains only the adapters; the rest of `params` is its frozen base, which has
@@ -35,6 +38,7 @@ class StateLayout:
   abstract: State          # ShapeDtypeStructs carrying their shardings: the restore target
   shardings: State         # NamedSharding per leaf
   report: sharding.ShardingReport
+  reference: bool = False  # the state holds a frozen copy of the starting params
 
 
 def _model_fn(model_cfg: LlamaConfig, key: jax.Array) -> Llama:
@@ -114,27 +118,32 @@ def init_params(model_cfg: LlamaConfig, seed: jax.Array) -> dict:
   return nnx.to_pure_dict(nnx.state(_model_fn(model_cfg, params_key), nnx.Param))
 
 
-def _init(model_cfg: LlamaConfig, optimizer: optax.GradientTransformation, seed: jax.Array) -> State:
-  return _around(init_params(model_cfg, seed), optimizer, seed)
+def _init(model_cfg: LlamaConfig, optimizer: optax.GradientTransformation, seed: jax.Array,
+          reference: bool = False) -> State:
+  return _around(init_params(model_cfg, seed), optimizer, seed, reference)
 
 
-def _around(params, optimizer: optax.GradientTransformation, seed: jax.Array) -> State:
+def _around(params, optimizer: optax.GradientTransformation, seed: jax.Array,
+            reference: bool = False) -> State:
   """Step 0, a new optimizer state (of the trainable parameters) and the seed's rng around
-  `params`."""
+  `params`, and a frozen copy of them with `reference`."""
   _, state_key = jax.random.split(jax.random.key(seed))
-  return {"step": jnp.zeros((), jnp.int32), "params": params,
-          "opt_state": optimizer.init(split_trainable(params)[0]),
-          "rng": jax.random.key_data(state_key)}
+  state = {"step": jnp.zeros((), jnp.int32), "params": params,
+           "opt_state": optimizer.init(split_trainable(params)[0]),
+           "rng": jax.random.key_data(state_key)}
+  if reference:
+    state["reference"] = jax.tree.map(jnp.copy, params)
+  return state
 
 
 def layout(model_cfg: LlamaConfig, optimizer: optax.GradientTransformation,
-           rules: sharding.Rules, mesh: Mesh) -> StateLayout:
-  """Abstract state and shardings: parameters by the rules, optimizer moments like their
-  parameters, scalars replicated."""
+           rules: sharding.Rules, mesh: Mesh, reference: bool = False) -> StateLayout:
+  """Abstract state and shardings: parameters (and their frozen copy, with `reference`) by
+  the rules, optimizer moments like their parameters, scalars replicated."""
   graphdef, entries = param_entries(model_cfg)
   report = sharding.sharding_report(entries, rules, mesh)
   param_shardings = _nest({row.path: NamedSharding(mesh, row.spec) for row in report.rows})
-  abstract = jax.eval_shape(lambda: _init(model_cfg, optimizer, jnp.int32(0)))
+  abstract = jax.eval_shape(lambda: _init(model_cfg, optimizer, jnp.int32(0), reference))
   replicated = NamedSharding(mesh, PartitionSpec())
   # The optimizer's moments are trees like the trainable parameters: sharded like them.
   trainable_shardings = split_trainable(param_shardings)[0]
@@ -145,16 +154,20 @@ def layout(model_cfg: LlamaConfig, optimizer: optax.GradientTransformation,
       abstract["opt_state"], is_leaf=lambda node: is_param_tree(node))
   shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings,
                "rng": replicated}
+  if reference:
+    shardings["reference"] = param_shardings
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)
-  return StateLayout(graphdef=graphdef, abstract=abstract, shardings=shardings, report=report)
+  return StateLayout(graphdef=graphdef, abstract=abstract, shardings=shardings, report=report,
+                     reference=reference)
 
 
 def create(model_cfg: LlamaConfig, optimizer: optax.GradientTransformation,
            state_layout: StateLayout, seed: int, programs: Programs | None = None) -> State:
   """Initializes the state directly into its shardings (the init program read back from
   `programs` when it holds it)."""
-  init = jax.jit(lambda s: _init(model_cfg, optimizer, s), out_shardings=state_layout.shardings)
+  init = jax.jit(lambda s: _init(model_cfg, optimizer, s, state_layout.reference),
+                 out_shardings=state_layout.shardings)
   seed = jnp.int32(seed)
   return (programs or Programs(None, "")).compile("init", init, seed)(seed)
 

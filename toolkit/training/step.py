@@ -201,6 +201,28 @@ def adapter_training(loss_fn: Callable, values: dict | None = None) -> Callable:
   return loss
 
 
+def with_reference(reference: Callable | None, state: State, batch: Batch,
+                   microbatches: int = 1) -> Batch:
+  """`batch` plus the entries `reference(params, batch)` computes from the state's frozen copy
+  of the starting parameters (post-training's reference model: DPO's log-probabilities of
+  each side, GRPO's of each token; toolkit.training.tasks) when the state holds one, else
+  `batch` as given. Forward passes only, one per micro-batch of the step's split, so they
+  hold no more activations than the step's own."""
+  if "reference" not in state:
+    return batch
+  if reference is None:
+    raise ValueError("the state holds a frozen reference copy and the task computes nothing "
+                     "from it; give make_train_step its task's reference")
+  frozen = jax.lax.stop_gradient(state["reference"])
+  if microbatches == 1:
+    return {**batch, **reference(frozen, batch)}
+  entries = jax.lax.map(lambda micro: reference(frozen, micro),
+                        split_microbatches(batch, microbatches))
+  # Back to the batch's row order: micro-batch m held rows m, m + count, ...
+  entries = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), entries)
+  return {**batch, **entries}
+
+
 def step_metrics(loss: jax.Array, grads, params, learning_rate: jax.Array,
                  task_metrics: Metrics) -> Metrics:
   return {**task_metrics, "loss": loss, "grad_norm": optax.tree.norm(grads),
@@ -219,21 +241,25 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                     schedule: optax.Schedule, microbatches: int, rules: sharding.Rules,
                     mesh: Mesh, loss: Callable | None = None,
                     evaluate: Callable | None = None,
-                    adapter_values: dict | None = None) -> TrainStep:
+                    adapter_values: dict | None = None,
+                    reference: Callable | None = None) -> TrainStep:
   """`loss(graphdef, params, batch)` -> (mean loss, metrics) (default: `lm_loss`) and
   `evaluate(graphdef, params, batch)` -> eval output (default: next-token cross-entropy);
   see toolkit.training.tasks. Gradients and updates cover the trainable parameters only
   (`state.split_trainable`: a LoRA model's adapters); `adapter_values` as in
-  `adapter_training`."""
+  `adapter_training`. `reference(graphdef, params, batch)` -> batch entries: what the task
+  reads from a frozen reference copy, for states that hold one (`with_reference`)."""
   task_loss = loss or lm_loss
   task_eval = evaluate or cross_entropy_loss
   loss_fn = adapter_training(lambda params, batch: task_loss(graphdef, params, batch),
                              adapter_values)
+  from_reference = reference and (lambda params, batch: reference(graphdef, params, batch))
 
   def train_step(state: State, batch: Batch) -> tuple[State, Metrics]:
     step.traces += 1
     trainable, frozen = split_trainable(state["params"])
     with sharding.activation_rules(rules, mesh):
+      batch = with_reference(from_reference, state, batch, microbatches)
       (loss, metrics), grads = loss_and_grads(with_frozen(loss_fn, frozen), trainable,
                                               with_dropout_keys(state, batch), microbatches)
     new_state = apply_grads(optimizer, state, grads)
@@ -243,7 +269,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     # No dropout; a population trial's own LoRA alpha.
     with sharding.activation_rules(rules, mesh), lora.runtime(
         alpha=(adapter_values or {}).get("alpha")):
-      return task_eval(graphdef, state["params"], batch)
+      return task_eval(graphdef, state["params"], with_reference(from_reference, state, batch))
 
   step = TrainStep(fn=train_step, eval_fn=eval_step)
   return step

@@ -14,7 +14,8 @@ its training loss as configured:
                   targets when `train.label_smoothing` > 0 (`for_run`), evaluated against the
                   labels themselves
   dpo             direct preference optimization (toolkit/training/dpo.py, the `dpo` config
-                  section) of a LoRA model against its base; batch {"inputs", "targets"
+                  section) against a reference model (a LoRA model's base, the starting
+                  weights' precomputed log-probabilities, or a frozen copy); batch {"inputs", "targets"
                   int32, "completion_weights" float32} (pairs, 2, length), side 0 chosen and
                   side 1 rejected (toolkit/data/preference.py); evaluated as the held-out
                   pairs' loss, preference accuracy and reward margin
@@ -52,6 +53,9 @@ class Task:
   loss: Callable[[nnx.GraphDef, object, Batch], tuple[jax.Array, dict]]  # (mean loss, metrics)
   evaluate: Callable[[nnx.GraphDef, object, Batch], dict]         # per-batch sums
   summarize: Callable[[Sequence[dict]], dict]                      # -> {"loss": ..., ...}
+  # What the task reads from a frozen copy of the starting weights, as batch entries, when the
+  # state holds one (toolkit.training.step `with_reference`; `frozen_reference`).
+  reference: Callable[[nnx.GraphDef, object, Batch], dict] | None = None
 
 
 # --- next-token prediction --------------------------------------------------------------------
@@ -139,11 +143,19 @@ def completion_logps(graphdef: nnx.GraphDef, params, batch: Batch) -> tuple[jax.
   return logps.reshape(pairs, sides), tokens.reshape(pairs, sides)
 
 
+def preference_reference(graphdef: nnx.GraphDef, params, batch: Batch) -> dict:
+  """A frozen reference copy's entry of a DPO batch (dpo.reference="frozen"): each side's
+  completion log-probability under `params`, (pairs, 2). No dropout."""
+  with lora.no_dropout():
+    return {keys.REFERENCE_LOGPS: completion_logps(graphdef, params, batch)[0]}
+
+
 def _policy_and_reference(graphdef: nnx.GraphDef, params, batch: Batch):
   """(log-probabilities, token counts, the reference's log-probabilities), (pairs, 2) each.
-  The reference is the batch's precomputed log-probabilities of the starting weights
-  (keys.REFERENCE_LOGPS, dpo.reference="precomputed"), else the same weights with the LoRA
-  adapters off (`lora.base_only`): no second copy is held either way. No dropout."""
+  The reference is the batch's log-probabilities of the starting weights (keys.REFERENCE_LOGPS:
+  precomputed with the data, dpo.reference="precomputed", or in the step from a frozen copy,
+  "frozen"), else the same weights with the LoRA adapters off (`lora.base_only`, "base"). No
+  dropout."""
   with lora.no_dropout():
     logps, tokens = completion_logps(graphdef, params, batch)
   if keys.REFERENCE_LOGPS in batch:
@@ -161,7 +173,7 @@ def _objective(logps, tokens, reference, **settings):
 
 def preference_loss(graphdef: nnx.GraphDef, params, batch: Batch, *, beta: float, loss: str,
                     label_smoothing: float) -> tuple[jax.Array, dict]:
-  """DPO's objective (toolkit/training/dpo.py) of the LoRA model against its own base."""
+  """DPO's objective (toolkit/training/dpo.py) against the reference (`_policy_and_reference`)."""
   return _objective(*_policy_and_reference(graphdef, params, batch), beta=beta, loss=loss,
                     label_smoothing=label_smoothing)
 
@@ -199,16 +211,20 @@ def grpo_loss(graphdef: nnx.GraphDef, params, batch: Batch, *, beta: float, epsi
               epsilon_high: float, loss: str) -> tuple[jax.Array, dict]:
   """GRPO's clipped policy loss (toolkit/training/grpo.py) of one gradient step per rollout:
   the sampling model is the one being trained, so each ratio is 1 in value and carries the
-  gradient; with `beta` > 0 the KL penalty is to the reference, a LoRA model's base. No
-  dropout."""
+  gradient; with `beta` > 0 the KL penalty is to the reference: the batch's log-probabilities
+  of a frozen copy of the starting weights (keys.REFERENCE_TOKEN_LOGPS, put there by the
+  step: `grpo_reference`), else a LoRA model's base. No dropout."""
   weights = batch[keys.mask_key(loss)]
   with lora.no_dropout():
     logps = token_logps(graphdef, params, batch)
   reference = logps
-  if beta:
+  if keys.REFERENCE_TOKEN_LOGPS in batch:
+    reference = batch[keys.REFERENCE_TOKEN_LOGPS]
+  elif beta:
     if not _has_adapters(params):
-      raise ValueError(f"beta={beta}: the KL penalty's reference is a LoRA model's base, and "
-                       f"this model has no adapters; set beta=0 or model.lora_rank")
+      raise ValueError(f"beta={beta}: the KL penalty's reference is a LoRA model's base or a "
+                       f"frozen copy, and this model has no adapters and the batch no "
+                       f"reference; set beta=0, model.lora_rank or grpo.reference='frozen'")
     with lora.base_only():
       reference = token_logps(graphdef, jax.lax.stop_gradient(params), batch)
   value, metrics = grpo.policy_loss(
@@ -218,6 +234,13 @@ def grpo_loss(graphdef: nnx.GraphDef, params, batch: Batch, *, beta: float, epsi
     metrics["reward"] = jnp.mean(batch["rewards"])
   metrics["completion_tokens"] = jnp.sum(weights) / weights.shape[0]
   return value, metrics
+
+
+def grpo_reference(graphdef: nnx.GraphDef, params, batch: Batch) -> dict:
+  """A frozen reference copy's entry of a GRPO batch (grpo.reference="frozen"): each
+  position's log-probability of its target under `params`, (rows, length). No dropout."""
+  with lora.no_dropout():
+    return {keys.REFERENCE_TOKEN_LOGPS: token_logps(graphdef, params, batch)}
 
 
 def _has_adapters(params) -> bool:
@@ -242,10 +265,26 @@ def grpo_summary(results: Sequence[dict]) -> dict:
 
 TASKS = {"lm": LM, "classification": CLASSIFICATION,
          "dpo": Task(name="dpo", unit="tok", loss=preference_loss, evaluate=preference_eval,
-                     summarize=preference_summary),
+                     summarize=preference_summary, reference=preference_reference),
          "grpo": Task(name="grpo", unit="tok", loss=grpo_loss, evaluate=grpo_eval,
-                      summarize=grpo_summary)}
+                      summarize=grpo_summary, reference=grpo_reference)}
 GRPO_SETTINGS = ("beta", "epsilon", "epsilon_high", "loss")
+# Where a post-training task's reference model comes from (the dpo and grpo sections'
+# `reference`): "base" (a LoRA model's adapters off), "frozen" (a copy of the starting weights
+# in the train state), "precomputed" (DPO only: toolkit/training/dpo_reference.py) or "auto".
+REFERENCES = {"dpo": ("auto", "base", "frozen", "precomputed"), "grpo": ("auto", "base", "frozen")}
+
+
+def frozen_reference(task: str, settings, lora_rank: int) -> bool:
+  """Whether the train state holds a frozen copy of the starting weights as the reference of
+  `task` (its config section `settings`): reference="frozen", or GRPO's "auto" with a KL
+  penalty (beta > 0) and no LoRA adapters whose base could serve."""
+  if task not in REFERENCES:
+    return False
+  reference = settings.get("reference", "auto")
+  if task == "grpo" and reference == "auto":
+    return bool(settings.get("beta", 0.0)) and not lora_rank
+  return reference == "frozen"
 
 
 def for_run(name: str, label_smoothing: float = 0.0, dpo_settings: dict | None = None,

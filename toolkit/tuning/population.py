@@ -211,6 +211,10 @@ def build(configs: Sequence[ml_collections.ConfigDict], devices=None,
   fields = varying_fields(configs)
   config = population_config(configs, len(devices), axis_size)
   setup = setup_lib.build(config, devices)
+  if setup.layout.reference:
+    raise ConfigError(f"population mode: {setup.task.name}.reference holds a frozen copy of the "
+                      f"starting weights, one per trial; use a LoRA model's base or "
+                      f"dpo.reference='precomputed', or run this sweep with --mode=processes")
   mesh, rules = setup.spec.mesh, setup.spec.rules
   k = len(configs)
   flats = [_flat(c) for c in configs]

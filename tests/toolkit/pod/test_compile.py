@@ -30,6 +30,7 @@ import pytest
 import sharding
 
 from tests import preloaded
+from experiments import dpo as dpo_experiment
 from experiments import lm
 from models import LlamaConfig
 from tests import extras
@@ -153,6 +154,24 @@ def test_splash_step_compiles_with_the_kernel_and_no_score_tensor(tmp_path):
   # Scores would end in (..., 512 queries, 512 keys); the weights never have two 512 dims.
   assert not re.search(r"\[(\d+,)+512,512\]", text)
   assert report.flops["kernel_attention_per_device"] > 0
+
+
+def test_a_frozen_reference_copy_is_in_the_compiled_arguments_and_the_estimate():
+  """A full fine-tune's DPO reference held as a frozen copy (dpo.reference="frozen"): the
+  compiler's argument bytes are the state with its copy and the batch, exactly; the estimate
+  adds the parameters' bytes again and the report prints that row."""
+  config = dpo_experiment.get_config("tiny")
+  config.model.lora_rank, config.dpo.reference = 0, "frozen"
+  config.mesh.ici = "fsdp:4,tensor:2"
+  report = compile_lib.compile_report(config, _cpu_target())
+  setup = train.build(config, devices=jax.devices()[:8])
+  abstract = setup.layout.abstract
+  assert _sharded_bytes(abstract["reference"]) == _sharded_bytes(abstract["params"]) > 0
+  assert report.memory["arguments"] == (_sharded_bytes(abstract)
+                                        + _sharded_bytes(setup.batches.abstract()))
+  assert report.analytic["reference"] == report.analytic["params"]
+  assert re.search(r"\n  frozen reference +[\d.]+ [KM]iB\n", report.format())
+
 
 @pytest.mark.tpu_aot
 def test_two_slices_flag_dcn_collectives():

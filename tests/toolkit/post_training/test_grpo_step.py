@@ -1,7 +1,9 @@
 """One GRPO step (toolkit/training/tasks.py `grpo_loss`) on rollouts sampled by the engine
 (toolkit/post_training/rollouts.py `batch_of`): sharded over 8 devices it computes the loss and
-update of one device (with and without LoRA) and of 2 micro-batches (the token mean); its value is the float64 one of a ratio of
-1 (one gradient step per rollout); the KL penalty needs a LoRA model's base."""
+update of one device (with and without LoRA) and of 2 micro-batches (the token mean); its
+value is the float64 one of a ratio of 1 (one gradient step per rollout); the KL penalty's
+reference is a LoRA model's base or a frozen copy of the starting weights, which is the float64
+KL of the weights it started from and the same penalty as the base's."""
 from __future__ import annotations
 
 import functools
@@ -114,6 +116,70 @@ def test_one_step_sharded_equals_micro_batches_and_one_device(loss, beta, rank, 
   assert_trees_close(other_params, params, **TOLERANCE)
 
 
-def test_the_kl_penalty_needs_adapters():
-  with pytest.raises(ValueError, match="beta=0.04: the KL penalty's reference is a LoRA"):
+def test_the_kl_penalty_needs_adapters_or_a_frozen_copy():
+  with pytest.raises(ValueError, match="beta=0.04: the KL penalty's reference is a LoRA "
+                                       "model's base or a frozen copy"):
     _step("dapo", 0.04, 0)
+
+
+# --- the KL penalty's reference as a frozen copy of the starting weights (grpo.reference) ------
+
+BETA = 0.04
+
+
+def _two_steps(rank: int, frozen: bool, microbatches: int = 1):
+  """The metrics of two GRPO steps (beta > 0) on the same rollouts, the starting and the
+  trained parameters: the second step's policy has moved from the reference."""
+  config = _config(rank)
+  setup = training.build(config)
+  rules, mesh = setup.spec.rules, setup.spec.mesh
+  layout = state_lib.layout(setup.spec.model, setup.optimizer, rules, mesh, reference=frozen)
+  step = step_lib.make_train_step(
+      layout.graphdef, setup.optimizer, step_lib.learning_rate_schedule(config.optimizer, 2),
+      microbatches, rules, mesh, loss=functools.partial(
+          tasks.grpo_loss, beta=BETA, epsilon=0.2, epsilon_high=0.28, loss="dapo"),
+      reference=tasks.grpo_reference)
+  host = _rollout_batch("dapo", rank)
+  place = lambda x: jax.device_put(x, NamedSharding(mesh, rules.activation_spec(
+      ("batch",) + (None,) * (x.ndim - 1), mesh)))
+  batch = {key: place(value) for key, value in host.items()}
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          batch)
+  train, _ = step_lib.jit_step(step, layout, abstract, mesh)
+  state = state_lib.create(setup.spec.model, setup.optimizer, layout, 0)
+  start = jax.device_get(state["params"])
+  metrics = []
+  for _ in range(2):
+    state, m = train(state, batch)
+    metrics.append(jax.device_get(m))
+  if frozen:  # the copy is the starting weights, untouched by the steps
+    assert_trees_close(jax.device_get(state["reference"]), start, rtol=0, atol=0)
+  return metrics, start, jax.device_get(state["params"]), setup
+
+
+def test_a_full_fine_tune_takes_the_kl_to_a_frozen_copy_of_its_start():
+  """No adapters: the second step's KL is the float64 k3 estimate between the starting and the
+  once-trained weights' log-probabilities of the completion tokens."""
+  (first, second), start, _, setup = _two_steps(0, frozen=True, microbatches=2)
+  np.testing.assert_allclose(first["kl"], 0.0, atol=1e-6)
+  host = _rollout_batch("dapo", 0)
+  once = _sharded("dapo", 0.0, 0)  # the same first step: the penalty's gradient is 0 at KL 0
+  logps = jax.jit(tasks.token_logps, static_argnums=0)
+  ref, new = (np.asarray(logps(setup.layout.graphdef, params, host), np.float64)
+              for params in (start, once[2]))
+  weights = host["loss_weights"].astype(np.float64)
+  kl = np.exp(ref - new) - (ref - new) - 1
+  want = (kl * weights).sum() / weights.sum()
+  assert want > 20 * TOLERANCE["atol"]  # the policy moved: a KL the check can see
+  np.testing.assert_allclose(second["kl"], want, **TOLERANCE)
+
+
+@pytest.mark.slow  # ~20 s on 2 cores
+def test_a_frozen_copy_penalizes_a_lora_model_as_its_base_does():
+  base_metrics, _, base_params, _ = _two_steps(4, frozen=False)
+  frozen_metrics, _, frozen_params, _ = _two_steps(4, frozen=True)
+  assert base_metrics[1]["kl"] > 20 * TOLERANCE["atol"]
+  for key in ("loss", "kl"):
+    np.testing.assert_allclose([m[key] for m in frozen_metrics],
+                               [m[key] for m in base_metrics], **TOLERANCE)
+  assert_trees_close(frozen_params, base_params, **TOLERANCE)

@@ -1,7 +1,8 @@
 """GRPO as a training task (data.source="prompts", toolkit/post_training/grpo.py): a run samples
 its batches from the model it trains, on 8 devices as on one; a stopped run resumes with the
-same rollouts and losses; the held-out evaluation is the greedy answers' mean reward; each
-setting it cannot run is one error naming its field."""
+same rollouts and losses (a full fine-tune's KL reference, a frozen copy, restored with it);
+the held-out evaluation is the greedy answers' mean reward; each setting it cannot run is one
+error naming its field."""
 from __future__ import annotations
 
 import json
@@ -83,19 +84,6 @@ def test_the_state_to_sample_from_is_computed_before_observe_returns():
   assert params["w"].is_ready()
 
 
-def test_a_stopped_run_resumes_with_the_same_rollouts(tmp_path):
-  config = _config()
-  grpo.run(config, str(tmp_path / "straight"))
-  config.train.steps = 2
-  grpo.run(config, str(tmp_path / "stopped"))
-  config.train.steps = STEPS
-  grpo.run(config, str(tmp_path / "stopped"))
-  straight, resumed = _records(tmp_path / "straight"), _records(tmp_path / "stopped")
-  for step in straight:
-    assert resumed[step]["loss"] == straight[step]["loss"]
-    assert resumed[step]["reward"] == straight[step]["reward"]
-
-
 def test_the_library_run_without_rollouts_is_one_error(tmp_path):
   with pytest.raises(ConfigError, match="samples its batches from the model being trained"):
     training.run(_config(), str(tmp_path / "run"))
@@ -121,11 +109,37 @@ def test_a_setting_it_cannot_run_is_one_error_naming_the_field(field, value, wor
     config_lib.resolve(config)
 
 
-def test_the_kl_penalty_needs_adapters():
+@pytest.mark.parametrize("rank,beta,reference,words", [
+    (0, 0.04, "base", "grpo.reference='base' is a LoRA model's base .* or "
+                      "grpo.reference='frozen'"),
+    (8, 0.0, "frozen", "grpo.reference='frozen' with grpo.beta=0: without the KL penalty"),
+    (8, 0.04, "copy", "grpo.reference='copy' is unknown; choose one of auto, base, frozen"),
+])
+def test_a_kl_reference_it_cannot_read_is_one_error(rank, beta, reference, words):
+  config = _config()
+  config.model.lora_rank = rank
+  config.grpo.update(beta=beta, reference=reference)
+  with pytest.raises(ConfigError, match=words):
+    config_lib.resolve(config)
+
+
+def test_a_stopped_run_resumes_with_the_same_rollouts_and_its_frozen_copy(tmp_path, capsys):
+  """A run stopped at step 2 resumes with the same rollouts, losses and KL estimates: without
+  adapters the KL penalty's reference ("auto") is a frozen copy of the starting weights,
+  checkpointed with the state, and the KL grows from 0 as the policy leaves its start."""
   config = _config()
   config.model.lora_rank, config.grpo.beta = 0, 0.04
-  with pytest.raises(ConfigError, match="grpo.beta=0.04: the KL penalty's reference is a LoRA"):
-    config_lib.resolve(config)
+  grpo.run(config, str(tmp_path / "straight"))
+  assert "reference: a frozen copy of the starting weights" in capsys.readouterr().out
+  config.train.steps = 2
+  grpo.run(config, str(tmp_path / "stopped"))
+  config.train.steps = STEPS
+  grpo.run(config, str(tmp_path / "stopped"))
+  straight, resumed = _records(tmp_path / "straight"), _records(tmp_path / "stopped")
+  assert straight[1]["kl"] == pytest.approx(0.0, abs=1e-6) and straight[STEPS]["kl"] > 1e-4
+  for step in straight:
+    for key in ("loss", "reward", "kl"):
+      assert resumed[step][key] == straight[step][key], (step, key)
 
 
 @pytest.mark.parametrize("spec,words", [

@@ -1,14 +1,15 @@
 """Preference tuning as a training task (data.source="preference", toolkit/training/tasks.py):
-the reference is the base model without its adapters, bitwise, or the starting weights'
-precomputed log-probabilities (a LoRA run trains the same with either; a full fine-tune needs
-the second); the step sharded and in micro-batches equals one device's; a stopped run resumes
-exactly (the reference read back); each setting it cannot run is one error naming its
-field."""
+the reference is the base model without its adapters, bitwise, the starting weights'
+precomputed log-probabilities, or a frozen copy of them in the train state (a LoRA run trains
+the same with each; a full fine-tune the same with the last two); the step sharded and in
+micro-batches equals one device's; a stopped run resumes exactly (the reference read back);
+each setting it cannot run is one error naming its field."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -20,6 +21,7 @@ from tests.tiny_runs import TOLERANCE, assert_trees_close, train_steps
 from toolkit import training
 from toolkit.errors import ConfigError
 from toolkit.training import config as config_lib, dpo_reference, state as state_lib, tasks
+from toolkit.tuning import population, search
 
 STEPS = 6
 
@@ -88,7 +90,7 @@ def _train_losses(workdir) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("field,value,words", [
-    ("dpo.reference", "frozen", "dpo.reference='frozen' is unknown"),
+    ("dpo.reference", "copy", "dpo.reference='copy' is unknown"),
     ("model.lora_dropout", 0.1, "model.lora_dropout=0.1: preference tuning trains without"),
     ("dpo.loss", "kto", "dpo.loss='kto' is unknown"),
     ("dpo.beta", 0.0, "dpo.beta=0.0 must be"),
@@ -106,8 +108,41 @@ def test_a_setting_it_cannot_run_is_one_error_naming_the_field(field, value, wor
 
 def test_the_base_as_reference_needs_adapters():
   with pytest.raises(ConfigError, match="dpo.reference='base' is a LoRA model's base .* or "
-                                        "dpo.reference='precomputed'"):
+                                        "dpo.reference='precomputed' .* or 'frozen'"):
     config_lib.resolve(_config(reference="base", lora_rank=0))
+
+
+# --- the reference as a frozen copy of the starting weights in the train state ----------------
+
+@pytest.mark.slow  # ~6 s; the full fine-tune's tests below run the copy in the default suite
+def test_a_frozen_copy_in_micro_batches_trains_a_lora_model_as_its_base_does(sharded):
+  """The copy holds the starting adapters (B = 0), so it is the base; its log-probabilities
+  are computed a micro-batch at a time and put back in the batch's row order."""
+  losses, params, _ = sharded
+  frozen_losses, frozen_params, setup = train_steps(_config(reference="frozen", microbatches=2))
+  assert setup.layout.reference and not setup.batches.precomputed_reference
+  np.testing.assert_allclose(frozen_losses, losses, **TOLERANCE)
+  assert_trees_close(frozen_params, params, **TOLERANCE)
+
+
+def test_a_full_fine_tune_against_a_frozen_copy_resumes_as_the_precomputed_one_trains(
+    full, tmp_path, capsys):
+  """Stopped at step 4 and resumed, the copy comes back from the checkpoint (not the restored
+  weights, against which the loss would be log 2 again): the losses are the precomputed
+  reference's; the log states the copy's memory."""
+  losses, _, _ = full
+  config = _config(reference="frozen", lora_rank=0)
+  config.train.update(log_every=1, eval_every=STEPS, checkpoint_every=2, steps=4)
+  config.optimizer.schedule_steps = STEPS
+  training.run(config, str(tmp_path))
+  config.train.steps = STEPS
+  training.run(config, str(tmp_path))
+  resumed = _train_losses(tmp_path)
+  np.testing.assert_allclose([resumed[s] for s in range(1, STEPS + 1)], losses, **TOLERANCE)
+  assert not os.path.exists(tmp_path / dpo_reference.FILE)
+  line = (r"reference: a frozen copy of the starting weights in the train state "
+          r"\(dpo.reference='frozen'\), [\d.]+ [KM]iB per device")
+  assert re.search(line, capsys.readouterr().out)
 
 
 # --- the reference precomputed from the starting weights (toolkit/training/dpo_reference.py) ---
@@ -171,3 +206,29 @@ def test_a_full_fine_tune_resumes_exactly_and_needs_its_reference_file(tmp_path)
   config.train.steps = STEPS + 2
   with pytest.raises(ConfigError, match="dpo_reference.npz is missing: .* new --workdir"):
     training.run(config, str(tmp_path / "stopped"))
+
+
+def test_a_checkpoint_without_the_copy_resumes_only_as_another_runs_start(tmp_path):
+  """A run's own checkpoints keep the reference they were written with; another run's
+  (train.resume_from) start a frozen-copy run whose reference is the weights restored."""
+  config = _config(reference="precomputed", lora_rank=0)
+  config.train.update(steps=2, checkpoint_every=2, eval_every=2)
+  training.run(config, str(tmp_path / "first"))
+  config.dpo.reference, config.train.steps = "frozen", 3
+  with pytest.raises(ConfigError, match=r"step 2 holds no frozen reference copy and this "
+                                        r"config's dpo settings keep one: .* resume with the "
+                                        r"settings it was written with \(--config.dpo.reference="
+                                        r"'precomputed'\)"):
+    training.run(config, str(tmp_path / "first"))
+  assert sorted(os.listdir(tmp_path / "first" / "checkpoints")) == ["2"]
+  config.train.resume_from = str(tmp_path / "first")
+  config.train.log_every = 1
+  training.run(config, str(tmp_path / "second"))
+  assert _train_losses(tmp_path / "second")[3] == pytest.approx(np.log(2), abs=1e-6)
+
+
+def test_a_population_refuses_a_frozen_copy_per_trial():
+  configs = [search.apply(_config(reference="frozen"), {"optimizer.learning_rate": lr})
+             for lr in (1e-3, 3e-3)]
+  with pytest.raises(ConfigError, match="population mode: dpo.reference holds a frozen copy"):
+    population.build(configs)
