@@ -463,5 +463,4 @@ def shape_for(spec, config, report, num_slices: int = 1) -> Shape:
                trainable_bytes_per_device=(sum(r.per_device_bytes for r in adapters)
                                            if adapters else None),
                trainable_count=sum(math.prod(r.shape) for r in adapters) if adapters else None,
-               reference_copy=tasks.frozen_reference(spec.task, config.get(spec.task, {}),
-                                                     spec.model.lora_rank))
+               reference_copy=tasks.frozen_reference(spec.task, config))

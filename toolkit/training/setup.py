@@ -41,8 +41,8 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
   schedule_steps = config.optimizer.schedule_steps or config.train.steps
   optimizer = step_lib.make_optimizer(config.optimizer, schedule_steps)
   schedule = step_lib.learning_rate_schedule(config.optimizer, schedule_steps)
-  frozen = tasks.frozen_reference(spec.task, config.get(spec.task, {}), model_cfg.lora_rank)
-  layout = state_lib.layout(model_cfg, optimizer, rules, mesh, reference=frozen)
+  layout = state_lib.layout(model_cfg, optimizer, rules, mesh,
+                            reference=tasks.frozen_reference(spec.task, config))
   step = step_lib.make_train_step(layout.graphdef, optimizer, schedule,
                                   config.train.microbatches, rules, mesh, loss=task.loss,
                                   evaluate=task.evaluate, reference=task.reference)

@@ -275,15 +275,16 @@ GRPO_SETTINGS = ("beta", "epsilon", "epsilon_high", "loss")
 REFERENCES = {"dpo": ("auto", "base", "frozen", "precomputed"), "grpo": ("auto", "base", "frozen")}
 
 
-def frozen_reference(task: str, settings, lora_rank: int) -> bool:
+def frozen_reference(task: str, config) -> bool:
   """Whether the train state holds a frozen copy of the starting weights as the reference of
-  `task` (its config section `settings`): reference="frozen", or GRPO's "auto" with a KL
+  `task` (the run's config): its section's reference="frozen", or GRPO's "auto" with a KL
   penalty (beta > 0) and no LoRA adapters whose base could serve."""
   if task not in REFERENCES:
     return False
+  settings = config[task]
   reference = settings.get("reference", "auto")
   if task == "grpo" and reference == "auto":
-    return bool(settings.get("beta", 0.0)) and not lora_rank
+    return bool(settings.get("beta", 0.0)) and not config.model.get("lora_rank", 0)
   return reference == "frozen"
 
 
