@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
@@ -150,7 +149,7 @@ def restore_step(checkpoints: checkpoint.Checkpoints, step: int, setup: Setup,
       step, {k: v for k, v in abstract.items() if k != "reference"}, agree=_agree,
       partial=saved_copy)
   if setup.layout.reference:
-    state["reference"] = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+    state["reference"] = jax.jit(state_lib.frozen_copy,
                                  out_shardings=setup.layout.shardings["reference"])(
                                      state["params"])
   return state, position

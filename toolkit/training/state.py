@@ -132,8 +132,14 @@ def _around(params, optimizer: optax.GradientTransformation, seed: jax.Array,
            "opt_state": optimizer.init(split_trainable(params)[0]),
            "rng": jax.random.key_data(state_key)}
   if reference:
-    state["reference"] = jax.tree.map(jnp.copy, params)
+    state["reference"] = frozen_copy(params)
   return state
+
+
+def frozen_copy(params) -> dict:
+  """A copy of `params` as the state's frozen reference (its own buffers: the step donates the
+  params, never the copy's values)."""
+  return jax.tree.map(jnp.copy, params)
 
 
 def layout(model_cfg: LlamaConfig, optimizer: optax.GradientTransformation,
