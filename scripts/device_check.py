@@ -19,7 +19,8 @@ Rows, each timed after untimed warm-up calls (scripts/timing.py, shared with the
                    weights, 64 rows decoding after a 128-token prompt (scripts/bench_generate.py
                    times it the same way)
   estimate         toolkit/pod/estimate.py's step time for the 1b-shaped run (its Shape built
-                   as the planner builds it) against the measured step: measured / estimate
+                   as the planner builds it; the compiled step's memory traffic at the GPU's
+                   HBM bandwidth) against the measured step: measured / estimate
 Bounds: every size above is fixed (the 1b-shaped run needs ~28 GiB by toolkit/pod/estimate.py,
 and ~0.3 s of compute per step at an H100/H200's peak), each timed loop stops after ROW_SECONDS,
 and a row that would start after --budget_s (default 9 minutes) is skipped and says so. A
@@ -131,8 +132,10 @@ def big_config(sizes: Sizes):
 
 
 def big_row(sizes: Sizes, devices, peak: tuple[float, str]) -> tuple[dict, dict]:
-  """The 1b-shaped step's row, and what the estimate row needs (setup, config, step_s)."""
+  """The 1b-shaped step's row, and what the estimate row needs (setup, config, step_s, the
+  compiled step's memory traffic)."""
   from scripts import timing  # pylint: disable=g-import-not-at-top
+  from toolkit.pod import traffic  # pylint: disable=g-import-not-at-top
   config = big_config(sizes)
   built = timing.toolkit_step(config, devices)
   model = built.setup.spec.model
@@ -149,7 +152,8 @@ def big_row(sizes: Sizes, devices, peak: tuple[float, str]) -> tuple[dict, dict]
              peak_source=peak[1], compile_s=built.compile_s,
              result=f"{tokens / step_s:,.0f} tokens/s, MFU {mfu:.1%} of "
                     f"{_flops_text(peak[0])} per device ({peak[1]})")
-  return row, {"setup": built.setup, "config": config, "step_s": step_s}
+  memory = traffic.memory_traffic(built.compiled.as_text())
+  return row, {"setup": built.setup, "config": config, "step_s": step_s, "memory": memory}
 
 
 def attention_rows(sizes: Sizes) -> list[dict]:
@@ -227,14 +231,16 @@ def estimate_row(big: dict, peak: tuple[float, str]) -> dict:
   seconds = estimate.step_seconds(
       estimate.executed_flops_per_device(shape), ici, dcn, peak[0],
       gpu.ici_bytes_per_second_per_chip if gpu else 0.0,
-      gpu.dcn_bytes_per_second_per_chip if gpu else 0.0)
+      gpu.dcn_bytes_per_second_per_chip if gpu else 0.0,
+      big["memory"].memory_bytes, gpu.hbm_bytes_per_second_per_chip if gpu else 0.0)
   ratio = big["step_s"] / seconds["total_s"]
   return _row("estimate", f"toolkit/pod/estimate.py for the 1b-shaped step (attention "
               f"{shape.attention}, its peak)", time_s=seconds["total_s"],
               estimate=seconds, measured_s=big["step_s"], ratio=ratio,
               result=f"measured {big['step_s'] * 1e3:,.1f} ms / estimated "
                      f"{seconds['total_s'] * 1e3:,.1f} ms (compute "
-                     f"{seconds['compute_s'] * 1e3:,.1f}, communication "
+                     f"{seconds['compute_s'] * 1e3:,.1f}, memory "
+                     f"{seconds['memory_s'] * 1e3:,.1f}, communication "
                      f"{(seconds['ici_s'] + seconds['dcn_s']) * 1e3:,.1f}) = {ratio:.2f}")
 
 

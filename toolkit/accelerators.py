@@ -46,6 +46,7 @@ class Generation:
   single_host_max_chips: int      # slices up to this many chips run on one VM
   torus_dims: int                 # 3: AxBxC (v4, v5p); 2: AxB (v5e, v6e)
   hbm_bytes_per_chip: int
+  hbm_bytes_per_second_per_chip: float
   peak_bf16_flops_per_chip: float
   ici_bytes_per_second_per_chip: float
   dcn_bytes_per_second_per_chip: float
@@ -63,6 +64,7 @@ def _powers_of_two(first: int, last: int) -> tuple[int, ...]:
 
 
 # Sources (Cloud TPU docs, cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}, read 2026-11):
+#   HBM bandwidth per chip: v4 1,200 GB/s, v5e 819 GB/s, v5p 2,765 GB/s, v6e 1,638 GB/s.
 #   v4:  275 TFLOP/s bf16, 32 GiB HBM2 per chip, 4 chips per host, pod of 4096 chips (3D).
 #        ICI and DCN per chip are not published for v4: ICI estimated as 6 links x 45 GB/s each
 #        way ("How to Scale Your Model", ch. 2); DCN assumed equal to v5p's 50 Gbps per chip.
@@ -82,7 +84,8 @@ GENERATIONS: dict[str, Generation] = {
     "v4": Generation(
         name="v4", accelerator_prefix="v4", aliases=(), tensorcores_per_chip=2,
         chip_counts=_powers_of_two(4, 2048), chips_per_host=4, single_host_max_chips=4,
-        torus_dims=3, hbm_bytes_per_chip=32 * GiB, peak_bf16_flops_per_chip=275e12,
+        torus_dims=3, hbm_bytes_per_chip=32 * GiB, hbm_bytes_per_second_per_chip=1200e9,
+        peak_bf16_flops_per_chip=275e12,
         ici_bytes_per_second_per_chip=6 * 2 * 45e9, dcn_bytes_per_second_per_chip=50e9 / 8,
         runtime_version="tpu-ubuntu2204-base", device_kind="TPU v4", libtpu_name="v4",
         chip_config_name="megacore", gke_accelerator="tpu-v4-podslice",
@@ -90,7 +93,8 @@ GENERATIONS: dict[str, Generation] = {
     "v5e": Generation(
         name="v5e", accelerator_prefix="v5litepod", aliases=("v5e",), tensorcores_per_chip=1,
         chip_counts=(1,) + _powers_of_two(4, 256), chips_per_host=8, single_host_max_chips=8,
-        torus_dims=2, hbm_bytes_per_chip=16 * GiB, peak_bf16_flops_per_chip=197e12,
+        torus_dims=2, hbm_bytes_per_chip=16 * GiB, hbm_bytes_per_second_per_chip=819e9,
+        peak_bf16_flops_per_chip=197e12,
         ici_bytes_per_second_per_chip=400e9, dcn_bytes_per_second_per_chip=25e9 / 8,
         runtime_version="tpu-ubuntu2204-base", device_kind="TPU v5 lite", libtpu_name="v5e",
         chip_config_name="default", gke_accelerator="tpu-v5-lite-podslice",
@@ -98,7 +102,8 @@ GENERATIONS: dict[str, Generation] = {
     "v5p": Generation(
         name="v5p", accelerator_prefix="v5p", aliases=(), tensorcores_per_chip=2,
         chip_counts=_powers_of_two(4, 4096), chips_per_host=4, single_host_max_chips=4,
-        torus_dims=3, hbm_bytes_per_chip=95 * GiB, peak_bf16_flops_per_chip=459e12,
+        torus_dims=3, hbm_bytes_per_chip=95 * GiB, hbm_bytes_per_second_per_chip=2765e9,
+        peak_bf16_flops_per_chip=459e12,
         ici_bytes_per_second_per_chip=1200e9, dcn_bytes_per_second_per_chip=50e9 / 8,
         runtime_version="tpu-ubuntu2204-base", device_kind="TPU v5", libtpu_name="v5",
         chip_config_name="megacore", gke_accelerator="tpu-v5p-slice",
@@ -106,7 +111,8 @@ GENERATIONS: dict[str, Generation] = {
     "v6e": Generation(
         name="v6e", accelerator_prefix="v6e", aliases=(), tensorcores_per_chip=1,
         chip_counts=(1,) + _powers_of_two(4, 256), chips_per_host=8, single_host_max_chips=8,
-        torus_dims=2, hbm_bytes_per_chip=32 * GiB, peak_bf16_flops_per_chip=918e12,
+        torus_dims=2, hbm_bytes_per_chip=32 * GiB, hbm_bytes_per_second_per_chip=1638e9,
+        peak_bf16_flops_per_chip=918e12,
         ici_bytes_per_second_per_chip=800e9, dcn_bytes_per_second_per_chip=100e9 / 8,
         runtime_version="v2-alpha-tpuv6e", device_kind="TPU v6 lite", libtpu_name="v6e",
         chip_config_name="default", gke_accelerator="tpu-v6e-slice",
@@ -125,6 +131,7 @@ class TpuType:
   chips_per_host: int
   topology: str                   # physical chip grid: "4x4", "2x2x1"
   hbm_bytes_per_chip: int
+  hbm_bytes_per_second_per_chip: float
   peak_bf16_flops_per_chip: float
   ici_bytes_per_second_per_chip: float
   dcn_bytes_per_second_per_chip: float
@@ -195,6 +202,7 @@ def _tpu_type(gen: Generation, chips: int) -> TpuType:
       generation=gen.name, chips=chips, tensorcores=chips * gen.tensorcores_per_chip,
       hosts=chips // chips_per_host, chips_per_host=chips_per_host,
       topology="x".join(map(str, dims)), hbm_bytes_per_chip=gen.hbm_bytes_per_chip,
+      hbm_bytes_per_second_per_chip=gen.hbm_bytes_per_second_per_chip,
       peak_bf16_flops_per_chip=gen.peak_bf16_flops_per_chip,
       ici_bytes_per_second_per_chip=gen.ici_bytes_per_second_per_chip,
       dcn_bytes_per_second_per_chip=gen.dcn_bytes_per_second_per_chip,
@@ -260,6 +268,7 @@ class GpuType:
   device_kind: str                # jax.devices()[0].device_kind
   gpus_per_node: int
   hbm_bytes_per_chip: int
+  hbm_bytes_per_second_per_chip: float
   peak_bf16_flops_per_chip: float  # dense (no sparsity)
   peak_fp8_flops_per_chip: float
   ici_bytes_per_second_per_chip: float   # NVLink, both directions (as TPU ICI is counted)
@@ -267,21 +276,25 @@ class GpuType:
 
 
 # Sources (NVIDIA data sheets, SXM parts, dense figures; read 2026-11): H100 SXM 80 GB HBM3,
-# 989 TFLOP/s bf16, 1,979 fp8, NVLink 4 900 GB/s; H200 SXM 141 GB HBM3e, the same compute and
-# NVLink; HGX B200 180 GB HBM3e per GPU, 2.25 PFLOP/s bf16, 4.5 fp8, NVLink 5 1.8 TB/s. Between
-# nodes one 400 Gb/s NIC per GPU (ConnectX-7 in DGX H100/H200 and DGX B200; Google Cloud's A3
-# Mega/Ultra and A4 machines carry 8 of them), i.e. 50 GB/s.
+# 989 TFLOP/s bf16, 1,979 fp8, NVLink 4 900 GB/s, HBM 3.35 TB/s; H200 SXM 141 GB HBM3e at
+# 4.8 TB/s, the same compute and NVLink; HGX B200 180 GB HBM3e per GPU at 8 TB/s, 2.25 PFLOP/s
+# bf16, 4.5 fp8, NVLink 5 1.8 TB/s. Between nodes one 400 Gb/s NIC per GPU (ConnectX-7 in DGX
+# H100/H200 and DGX B200; Google Cloud's A3 Mega/Ultra and A4 machines carry 8 of them), i.e.
+# 50 GB/s.
 GPU_TYPES: dict[str, GpuType] = {g.name: g for g in (
     GpuType(name="h100", device_kind="NVIDIA H100 80GB HBM3", gpus_per_node=8,
-            hbm_bytes_per_chip=80 * GiB, peak_bf16_flops_per_chip=989e12,
+            hbm_bytes_per_chip=80 * GiB,
+            hbm_bytes_per_second_per_chip=3.35e12, peak_bf16_flops_per_chip=989e12,
             peak_fp8_flops_per_chip=1979e12, ici_bytes_per_second_per_chip=900e9,
             dcn_bytes_per_second_per_chip=400e9 / 8),
     GpuType(name="h200", device_kind="NVIDIA H200", gpus_per_node=8,
-            hbm_bytes_per_chip=141 * 10**9, peak_bf16_flops_per_chip=989e12,
+            hbm_bytes_per_chip=141 * 10**9,
+            hbm_bytes_per_second_per_chip=4.8e12, peak_bf16_flops_per_chip=989e12,
             peak_fp8_flops_per_chip=1979e12, ici_bytes_per_second_per_chip=900e9,
             dcn_bytes_per_second_per_chip=400e9 / 8),
     GpuType(name="b200", device_kind="NVIDIA B200", gpus_per_node=8,
-            hbm_bytes_per_chip=180 * 10**9, peak_bf16_flops_per_chip=2250e12,
+            hbm_bytes_per_chip=180 * 10**9,
+            hbm_bytes_per_second_per_chip=8e12, peak_bf16_flops_per_chip=2250e12,
             peak_fp8_flops_per_chip=4500e12, ici_bytes_per_second_per_chip=1800e9,
             dcn_bytes_per_second_per_chip=400e9 / 8),
 )}

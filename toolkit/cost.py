@@ -12,7 +12,8 @@ estimate is priced for each --pricing mode from the price table (toolkit/costing
 --prices=FILE overrides its rows). Spot prices fold in preemption (--spot_mtbf_h, the
 checkpoint interval and --restart_min; toolkit/costing/economics.py has the formula). The
 step time is compute at the chip's peak (times --compute_efficiency) plus communication at the
-table's bandwidths without overlap. Confirm a TPU winner's fit with
+table's bandwidths without overlap (not the compiled program's memory traffic, which
+toolkit.compile adds). Confirm a TPU winner's fit with
 `python -m toolkit.compile --topology=TARGET`, which compiles the real step.
 
 It is its own command rather than a toolkit.compile flag because it compiles nothing and

@@ -30,10 +30,13 @@ The report, printed and as JSON (--json):
   async               collectives scheduled async (start/done pairs) and synchronous, by
                       kind (`toolkit.pod.scheduling`), and the overlap flags libtpu compiled
                       with (toolkit/xla_flags.py; toolkit.compile sets them)
-  step time           compute at the chip's peak plus communication at the table's ICI/DCN
-                      bandwidth, less the ICI time the async collectives can hide behind
-                      compute (each kind's bytes times its share of async instructions, at
-                      most the compute time); the bound without overlap beside it
+  memory traffic      bytes the compiled program's instructions read and write, loops
+                      counted (`toolkit.pod.traffic`): outside the matmuls, and in them
+  step time           compute at the chip's peak, plus the memory traffic outside the
+                      matmuls at its HBM bandwidth, plus communication at the table's ICI/DCN
+                      bandwidth, less the ICI time the async collectives can hide behind that
+                      work (each kind's bytes times its share of async instructions, at most
+                      the compute and memory time); the bound without overlap beside it
 Exit status: 0 fits (or a CPU target), 1 does not fit (or the compiler failed otherwise: its
 first line is the error), 2 bad input (flags, config, sharding
 lint: replicated parameters above the limit with replicated_action=fail, dimensions that do not
@@ -59,6 +62,7 @@ from toolkit.errors import ConfigError
 from toolkit.pod import collectives as collectives_lib
 from toolkit.pod import estimate
 from toolkit.pod import scheduling
+from toolkit.pod import traffic as traffic_lib
 from toolkit.pod import report as report_lib
 from toolkit.pod.report import Report
 from toolkit.pod.target import Target
@@ -167,9 +171,10 @@ def compile_report(config: ml_collections.ConfigDict, target: Target, *,
   if flops["model_formula_per_device"] > flops["traced_per_device"] * (1 + 1e-6):
     notes.append(_undercount_note(flops))
   found: list[collectives_lib.Collective] = []
-  overlap = None
+  overlap, memory_traffic = None, None
   if compiled is not None:
     text = compiled.as_text()
+    memory_traffic = traffic_lib.memory_traffic(text)
     if hlo_path:
       workdir.write_text(hlo_path, text)  # a local file or a gs:// object
     found = collectives_lib.parse(text, list(spec.mesh.shape.items()),
@@ -181,7 +186,7 @@ def compile_report(config: ml_collections.ConfigDict, target: Target, *,
                                 config.model.get("pipeline_repeats", 1)))
   summaries = collectives_lib.summarize(found)
   communication = _communication(shape, summaries)
-  step_time = _step_time(flops, communication, target, compiled is not None)
+  step_time = _step_time(flops, communication, target, memory_traffic)
   if step_time and overlap:
     step_time.update(_hidden(step_time, summaries, overlap, target))
   return Report(
@@ -328,16 +333,22 @@ def _communication(shape, summaries) -> dict:
           "ici_bytes_analytic": ici_formula, "dcn_bytes_analytic": dcn_formula}
 
 
-def _step_time(flops: dict, communication: dict, target: Target, compiled: bool) -> dict:
-  """Compute at the chip's peak plus communication at the table's bandwidths (TPU only)."""
+def _step_time(flops: dict, communication: dict, target: Target,
+               memory_traffic: traffic_lib.Traffic | None) -> dict:
+  """Compute at the chip's peak, the compiled program's memory traffic outside the matmuls at
+  its HBM bandwidth, and communication at the table's bandwidths (TPU only)."""
   if not target.is_tpu:
     return {}
-  kind = "compiled" if compiled else "analytic"
+  kind = "compiled" if memory_traffic is not None else "analytic"
   step_time = estimate.step_seconds(
       flops["traced_per_device"], communication[f"ici_bytes_{kind}"],
       communication[f"dcn_bytes_{kind}"], target.peak_flops_per_device,
-      target.ici_bytes_per_second, target.dcn_bytes_per_second)
+      target.ici_bytes_per_second, target.dcn_bytes_per_second,
+      memory_traffic.memory_bytes if memory_traffic else 0.0, target.hbm_bytes_per_second)
   step_time["communication"] = kind
+  if memory_traffic is not None:
+    step_time["memory_bytes"] = memory_traffic.memory_bytes
+    step_time["matmul_memory_bytes"] = memory_traffic.matmul_bytes
   step_time["model_flops_utilization"] = (
       flops["model_formula_per_device"] / target.peak_flops_per_device / step_time["total_s"])
   return step_time
@@ -345,7 +356,8 @@ def _step_time(flops: dict, communication: dict, target: Target, compiled: bool)
 
 def _hidden(step_time: dict, summaries, overlap: dict, target: Target) -> dict:
   """The ICI time the compiled schedule can hide behind compute: each kind's ICI bytes times
-  the share of its instructions scheduled async (start/done pairs), up to the compute time;
+  the share of its instructions scheduled async (start/done pairs), up to the compute and
+  memory time;
   DCN transfers and synchronous collectives stay exposed. The instruction share stands in for
   the byte share (the schedule names instructions, not transfers). Returns the fields to
   update: hidden_s, no_overlap_s (the bound without overlap) and total_s with the hidden time
@@ -354,7 +366,8 @@ def _hidden(step_time: dict, summaries, overlap: dict, target: Target) -> dict:
   share = {k: pairs.get(k, 0) / (pairs.get(k, 0) + synchronous.get(k, 0))
            for k in set(pairs) | set(synchronous) if pairs.get(k, 0) + synchronous.get(k, 0)}
   hideable = sum(s.ici_bytes * share.get(s.kind, 0.0) for s in summaries)
-  hidden = min(step_time["compute_s"], hideable / target.ici_bytes_per_second)
+  busy = step_time["compute_s"] + step_time.get("memory_s", 0.0)
+  hidden = min(busy, hideable / target.ici_bytes_per_second)
   total = step_time["total_s"] - hidden
   return {"hidden_s": hidden, "no_overlap_s": step_time["total_s"], "total_s": total,
           "model_flops_utilization": step_time["model_flops_utilization"]

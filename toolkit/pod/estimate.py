@@ -437,13 +437,17 @@ def _exchanged_bytes(shape: Shape) -> float:
 
 
 def step_seconds(flops_per_device: float, ici_bytes: float, dcn_bytes: float,
-                 peak_flops: float, ici_bandwidth: float, dcn_bandwidth: float
-                 ) -> dict[str, float]:
-  """Compute plus communication time, without overlap (an upper bound on a real step)."""
+                 peak_flops: float, ici_bandwidth: float, dcn_bandwidth: float,
+                 memory_bytes: float = 0.0, memory_bandwidth: float = 0.0) -> dict[str, float]:
+  """Compute at the matmul peak, plus the memory traffic outside the matmuls at the memory's
+  bandwidth (`toolkit.pod.traffic`: known only from a compiled program, else 0), plus
+  communication, without overlap (an upper bound on a real step)."""
   compute = flops_per_device / peak_flops if peak_flops else float("nan")
+  memory = memory_bytes / memory_bandwidth if memory_bandwidth else 0.0
   ici = ici_bytes / ici_bandwidth if ici_bandwidth else 0.0
   dcn = dcn_bytes / dcn_bandwidth if dcn_bandwidth else 0.0
-  return {"compute_s": compute, "ici_s": ici, "dcn_s": dcn, "total_s": compute + ici + dcn}
+  return {"compute_s": compute, "memory_s": memory, "ici_s": ici, "dcn_s": dcn,
+          "total_s": compute + memory + ici + dcn}
 
 
 def shape_for(spec, config, report, num_slices: int = 1) -> Shape:

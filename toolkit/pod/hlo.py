@@ -15,6 +15,7 @@ Two things in libtpu's text need care:
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator, Sequence
 
@@ -58,15 +59,25 @@ def logical_lines(hlo_text: str) -> Iterator[str]:
     yield pending
 
 
-def _definitions(lines: Sequence[str]) -> dict[str, tuple[str, list[str], str]]:
-  """name -> (opcode, operand names, the text after the opening parenthesis) of each
-  instruction of a computation."""
-  found = {}
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  """One HLO instruction: its name, result type, opcode, operand names and the text after the
+  opcode's opening parenthesis (operands, then attributes)."""
+  name: str
+  type_text: str
+  opcode: str
+  operands: list[str]
+  rest: str
+
+
+def instructions(lines: Sequence[str]) -> list[Instruction]:
+  """The instructions among a computation's (logical) lines, in order."""
+  found = []
   for line in lines:
     match = INSTRUCTION.match(line)
     if not match:
       continue
-    rest = split_type(match.group(2))[1]
+    type_text, rest = split_type(match.group(2))
     opcode = re.match(r"([\w\-]+)\(", rest)
     if not opcode:
       continue
@@ -77,8 +88,15 @@ def _definitions(lines: Sequence[str]) -> dict[str, tuple[str, list[str], str]]:
         close = i
         break
     operands = re.findall(r"%([\w.\-]+)", rest[opcode.end():close])
-    found[match.group(1)] = (opcode.group(1), operands, rest[opcode.end():])
+    found.append(Instruction(match.group(1), type_text, opcode.group(1), operands,
+                             rest[opcode.end():]))
   return found
+
+
+def _definitions(lines: Sequence[str]) -> dict[str, tuple[str, list[str], str]]:
+  """name -> (opcode, operand names, the text after the opening parenthesis) of each
+  instruction of a computation."""
+  return {i.name: (i.opcode, i.operands, i.rest) for i in instructions(lines)}
 
 
 def _value(name: str, defs: dict) -> tuple[str, int] | None:

@@ -241,6 +241,11 @@ def _communication_lines(r: Report) -> list[str]:
     lines.append(f"sent per step, per device (analytic; nothing compiled): ICI "
                  f"{human_bytes(comm['ici_bytes_analytic'])}, DCN "
                  f"{human_bytes(comm['dcn_bytes_analytic'])}")
+  if r.step_time.get("memory_bytes") is not None:
+    lines.append(f"memory traffic per step, per device (compiled): "
+                 f"{human_bytes(r.step_time['memory_bytes'])} outside the matmuls (at the HBM "
+                 f"bandwidth), {human_bytes(r.step_time['matmul_memory_bytes'])} in them "
+                 f"(streamed under their FLOPs)")
   if r.step_time:
     s = r.step_time
     if "hidden_s" in s:
@@ -249,9 +254,11 @@ def _communication_lines(r: Report) -> list[str]:
                  f"{_seconds(s['no_overlap_s'])} without overlap)")
     else:
       overlap = f" (no overlap, {s['communication']} communication)"
-    lines.append(f"step time  {_seconds(s['total_s'])} estimated = compute {_seconds(s['compute_s'])}"
-                 f" + ICI {_seconds(s['ici_s'])} + DCN {_seconds(s['dcn_s'])}{overlap}; model "
-                 f"FLOPs utilization {s['model_flops_utilization']:.0%}")
+    memory = f" + memory {_seconds(s['memory_s'])}" if s.get("memory_bytes") is not None else ""
+    lines.append(f"step time  {_seconds(s['total_s'])} estimated = compute "
+                 f"{_seconds(s['compute_s'])}{memory} + ICI {_seconds(s['ici_s'])} + DCN "
+                 f"{_seconds(s['dcn_s'])}{overlap}; model FLOPs utilization "
+                 f"{s['model_flops_utilization']:.0%}")
   return lines
 
 

@@ -77,6 +77,10 @@ class Target:
     return self._chip.peak_bf16_flops_per_chip if self._chip else None
 
   @property
+  def hbm_bytes_per_second(self) -> float | None:
+    return self._chip.hbm_bytes_per_second_per_chip if self._chip else None
+
+  @property
   def ici_bytes_per_second(self) -> float | None:
     return self._chip.ici_bytes_per_second_per_chip if self._chip else None
 

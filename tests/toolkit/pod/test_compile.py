@@ -129,10 +129,15 @@ def test_cpu_lm_compiles_and_fits_on_small_slices(topology):
   # has the control without them.
   assert report.overlap["async_pairs"].get("all-gather", 0) >= 4, report.overlap
   assert report.overlap["flags"] == xla_flags.in_effect("tpu")
-  assert report.step_time["total_s"] > report.step_time["compute_s"] > 0
+  step = report.step_time
+  assert step["total_s"] > step["compute_s"] > 0 and step["memory_s"] > 0
+  assert step["memory_s"] == pytest.approx(step["memory_bytes"] / tpu.hbm_bytes_per_second)
+  assert step["no_overlap_s"] == pytest.approx(
+      step["compute_s"] + step["memory_s"] + step["ici_s"] + step["dcn_s"])
   json.dumps(report.as_dict(), default=str)    # the --json payload serializes
   text = report.format()
   assert "FITS" in text and "generated code" in text and "total = arguments" in text
+  assert "\nmemory traffic per step, per device (compiled): " in text and " + memory " in text
   assert "\nasync      " in text and "(start/done pairs: all-gather " in text
 
 

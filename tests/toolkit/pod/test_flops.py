@@ -181,7 +181,8 @@ def _compile_mfu_config():
 @pytest.mark.tpu_aot
 def test_compile_report_mfu_is_at_most_one():
   """Measured (v5p-8, libtpu 0.0.42.1): MFU 0.79, compute 99 % of the step; with attention
-  over every pair the same report said 1.23."""
+  over every pair the same report said 1.23 (before the estimate counted memory traffic: the
+  check below leaves that term out)."""
   extras.require("libtpu")
   report = aot.compile_report(_compile_mfu_config(), target_lib.target_for("v5p-8"))
   f, step = report.flops, report.step_time
@@ -198,7 +199,8 @@ def test_compile_report_mfu_is_at_most_one():
   all_pairs = f["model_formula_per_device"] + (
       LlamaConfig.preset("cpu").attention_flops_per_token(2048) * 8 * 2048
       / report.target["devices"])
-  assert all_pairs / f["traced_per_device"] * compute_share > 1.0
+  assert all_pairs / f["traced_per_device"] * (
+      step["compute_s"] / (step["total_s"] - step["memory_s"])) > 1.0
 
 
 def test_a_traced_count_below_the_model_formula_is_reported_not_hidden(monkeypatch):
