@@ -89,7 +89,12 @@ def defaults() -> ml_collections.ConfigDict:
       # With several processes: every this many steps the processes compare their own part of
       # each step (batch, Python) and one 1.15x slower than the median is named
       # (toolkit/training/stragglers.py); 0 is off.
-      straggler_every=100))
+      straggler_every=100,
+      # A second, frequent checkpoint tier on this host's own storage (a RAM disk such as
+      # /dev/shm/RUN, a local SSD) every local_checkpoint_every steps, the last 2 kept, beside
+      # the workdir's checkpoints; a restart resumes from the newer of the two
+      # (toolkit/training/tiers.py). '' is off; one host only for now.
+      local_checkpoint_dir="", local_checkpoint_every=10))
   # Process set-up before JAX starts (toolkit.runtime.start, toolkit.compile). xla_flags: the
   # compiler flags that overlap collectives with compute on a TPU or GPU (toolkit/xla_flags.py),
   # "auto" (the platform's preset; flags already in LIBTPU_INIT_ARGS / XLA_FLAGS win) or "none".

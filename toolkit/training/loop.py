@@ -20,7 +20,7 @@ from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
 from toolkit.training import checkpoint, goodput as goodput_lib, init_from, integrity
 from toolkit.training import metrics as metrics_lib, profiler as profiler_lib
-from toolkit.training import programs as programs_lib, resume
+from toolkit.training import programs as programs_lib, resume, tiers
 from toolkit.training import state as state_lib, step as step_lib, storage, stragglers, tasks
 from toolkit.training.setup import Setup, build, peak_flops_total, units_of, work_per_step
 from toolkit.training.startup import checkpoint_bytes, log, log_setup, prepare_workdir, write_config
@@ -93,16 +93,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
     # --- restore or init: the newest checkpoint that restores (damaged ones set aside) -------
     checkpoints = checkpoint.Checkpoints(workdir_lib.join(workdir, "checkpoints"),
                                          keep=config.train.keep_checkpoints)
-    resuming = bool(checkpoints.all_steps())
+    local = tiers.open_tier(config, workdir)  # None unless train.local_checkpoint_dir
+    resuming = any(tier.all_steps() for tier in filter(None, (checkpoints, local)))
     state, data_position = resume.restore_or_init(config, setup, checkpoints, log, hf_folder,
-                                                  programs)
+                                                  programs, local)
     start_step = int(jax.device_get(state["step"]))
     if start_step < config.train.steps:
       _precompute_reference(setup, state, workdir, resuming)
   result = RunResult(final_step=start_step, train_losses={}, eval_losses={},
                      stopped_early=False, start_step=start_step)
   if start_step >= config.train.steps:
-    checkpoints.close()
+    for tier in filter(None, (checkpoints, local)):
+      tier.close()
     return nothing_to_train(config, start_step, result)
   if jax.process_index() == 0:
     write_config(config, workdir_lib.join(workdir, "config.json"))
@@ -112,13 +114,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
     train_step, eval_step = compile_steps(setup, programs)
 
   # --- loop ----------------------------------------------------------------------------------
-  writer = metrics_lib.MetricWriter(workdir, start_step)
-  if writer.dropped:
-    log(f"metrics.jsonl: dropped the records of steps {writer.dropped[0]}-{writer.dropped[-1]}, "
-        f"written by an earlier run past step {start_step}, where this one starts; those "
-        f"steps are trained again")
+  writer = _metric_writer(workdir, start_step)
   current = Run(config=config, setup=setup, eval_step=eval_step, checkpoints=checkpoints,
-                writer=writer, result=result, goodput=goodput,
+                local=local, writer=writer, result=result, goodput=goodput,
                 programs=programs, periodic=tuple(periodic),
                 profiler=profiler_lib.StepProfiler(profiler_lib.parse_profile_steps(
                     config.train.get("profile_steps", ""), config.train.steps), workdir, log))
@@ -148,6 +146,17 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
     current.watchdog.stop()
     current.writer.close()
   return current.result
+
+
+def _metric_writer(workdir: str, start_step: int) -> metrics_lib.MetricWriter:
+  """metrics.jsonl's writer from `start_step` on, saying which records of an earlier run past
+  it were dropped (their steps are trained again)."""
+  writer = metrics_lib.MetricWriter(workdir, start_step)
+  if writer.dropped:
+    log(f"metrics.jsonl: dropped the records of steps {writer.dropped[0]}-{writer.dropped[-1]}, "
+        f"written by an earlier run past step {start_step}, where this one starts; those "
+        f"steps are trained again")
+  return writer
 
 
 def _precompute_reference(setup: Setup, state, workdir: str, resuming: bool) -> None:
@@ -219,6 +228,11 @@ class Run:
   programs: programs_lib.Programs | None = None
   periodic: tuple[Every, ...] = ()
   watchdog: watchdog_lib.Watchdog = dataclasses.field(default_factory=watchdog_lib.Watchdog)
+  local: checkpoint.Checkpoints | None = None   # the local tier (tiers.py), if any
+
+  @property
+  def tiers(self) -> list[checkpoint.Checkpoints]:
+    return [self.checkpoints] + ([self.local] if self.local is not None else [])
 
   def __post_init__(self):
     self.units_per_step, self.flops_per_step = work_per_step(self.config, self.setup)
@@ -269,9 +283,10 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
         # or save is acted on next step, so "stopped" always means "flushed and saved".
         stopping = stop.should_stop(done)
         save_now = done % t.checkpoint_every == 0 or at_end or stopping
+        local_now = not save_now and run_.local is not None and tiers.due(run_.config, done)
         # The first step's line comes at once (it shows the run is under way), then every
         # log_every steps.
-        if done % t.log_every == 0 or save_now or done == start_step + 1:
+        if done % t.log_every == 0 or save_now or local_now or done == start_step + 1:
           flush(run_, pending, interval)
         if host_times.due(done):
           report_stragglers(run_, host_times, done)
@@ -286,10 +301,11 @@ def train_loop(run_: Run, state, train_step, start_step: int, data_position: dic
         for work in due:
           work.fn(run_, state, done)
           run_.watchdog.beat(f"periodic work at step {done}")
-        if save_now:
-          save(run_, done, state, batch_iter.position())
+        if save_now or local_now:
+          tiers.save(run_, done, state, batch_iter.position(),
+                     run_.local if local_now else None)
           run_.watchdog.beat(f"checkpoint save at step {done}")
-        if done % t.eval_every == 0 or save_now or due:
+        if done % t.eval_every == 0 or save_now or local_now or due:
           interval.restart()  # step time excludes eval and checkpoint work
         run_.result.final_step = done
         if stopping:
@@ -398,28 +414,6 @@ def _evaluate(run_: Run, state, at_step: int) -> None:
   log(metrics_lib.eval_line(at_step, scalars, run_.units))
 
 
-def save(run_: Run, at_step: int, state, position: dict) -> None:
-  """Starts an async checkpoint of `state` with the data position after step at_step - 1's
-  batch (the Grain iterator state, if any); records the saves that have finished since."""
-  assert position["step"] == at_step, (position, at_step)
-  config = run_.config
-  with run_.goodput.phase("checkpoint"):
-    run_.checkpoints.save(at_step, state, run_.config_dict,
-                          {**position, "seed": config.seed, "source": config.data.source})
-  write_save_timings(run_)
-
-
-def write_save_timings(run_: Run) -> None:
-  """A "checkpoint" record per finished save: how long the loop was blocked (the copy off the
-  devices) and how long until its files were written, in metrics.jsonl."""
-  timings = run_.checkpoints.timings
-  while timings and timings[0].seconds is not None:
-    timing = timings.pop(0)
-    run_.writer.write(timing.step, "checkpoint", {
-        "blocking_seconds": timing.blocking_seconds, "seconds": timing.seconds,
-        "blocking_fraction": timing.blocking_seconds / max(timing.seconds, 1e-9)})
-
-
 def nothing_to_train(config: ml_collections.ConfigDict, start_step: int,
                      result: RunResult) -> RunResult:
   """A checkpoint at or past train.steps: say so and stop before compiling anything."""
@@ -451,14 +445,16 @@ def close_outputs(run_: Run, failure: BaseException | None = None) -> None:
     except Exception:  # pylint: disable=broad-except  # the failure is the one to report
       pass
     storage_failed = isinstance(failure, storage.StorageError)
-    run_.checkpoints.close(timeout_s=WAIT_AFTER_STORAGE_FAILURE_S if storage_failed
-                           else WAIT_AFTER_FAILURE_S)
+    for tier in run_.tiers:
+      tier.close(timeout_s=WAIT_AFTER_STORAGE_FAILURE_S if storage_failed
+                 else WAIT_AFTER_FAILURE_S)
     run_.writer.close()
     return
   run_.profiler.close()
-  with run_.goodput.phase("checkpoint"):  # the last async save finishing
-    run_.checkpoints.close()
-  write_save_timings(run_)
+  with run_.goodput.phase("checkpoint"):  # the last async saves finishing
+    for tier in run_.tiers:
+      tier.close()
+  tiers.write_save_timings(run_)
 
 
 def write_goodput(run_: Run) -> None:

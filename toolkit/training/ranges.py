@@ -141,6 +141,7 @@ RANGES: dict[str, Range] = {
     "train.eval_every": count("steps between evals"),
     "train.checkpoint_every": count("steps between checkpoints"),
     "train.keep_checkpoints": count("checkpoints kept"),
+    "train.local_checkpoint_every": count("steps between checkpoints of the local tier"),
     "train.peak_flops_per_device": Range(0.0, meaning="peak FLOP/s of one device for MFU; 0 "
                                                       "looks it up from the device kind"),
     "train.sample_tokens": count("tokens sampled after training; 0 is off", low=0),

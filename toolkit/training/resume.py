@@ -8,10 +8,13 @@ run: once an older step restores, each damaged newer one is moved into
 <workdir>/damaged_checkpoints/ (renamed, never deleted) with one warning line naming the step
 and the cause. When none restores, the run stops with one error line listing each step's cause
 and renames nothing. Checkpoints of `train.resume_from` are never skipped or moved: damage there
-is an error, not a silent start from somewhere else.
+is an error, not a silent start from somewhere else. With a local checkpoint tier
+(tiers.py) its steps newer than the workdir's newest go first; when none of them
+restores, one warning line, and the workdir's checkpoints as above.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import jax
@@ -21,7 +24,8 @@ from jax.experimental import multihost_utils
 
 from toolkit import hf
 from toolkit.errors import ConfigError
-from toolkit.training import checkpoint, init_from, state as state_lib, step as step_lib, storage
+from toolkit.training import checkpoint, init_from, state as state_lib, step as step_lib
+from toolkit.training import storage, tiers
 from toolkit.training.programs import Programs
 from toolkit.training.setup import Setup
 
@@ -29,10 +33,27 @@ from toolkit.training.setup import Setup
 def restore_or_init(config: ml_collections.ConfigDict, setup: Setup,
                     own: checkpoint.Checkpoints, log: Callable[[str], None],
                     hf_folder: hf.HFFolder | None = None,
-                    programs: Programs | None = None) -> tuple[state_lib.State, dict | None]:
+                    programs: Programs | None = None,
+                    local: checkpoint.Checkpoints | None = None
+                    ) -> tuple[state_lib.State, dict | None]:
   """(state, data position): see the module docstring; the position is None when the run
   starts at step 0. `hf_folder` is `init_from.source`'s answer (checked, or None); a fresh
-  state's init program comes from `programs` when it holds it."""
+  state's init program comes from `programs` when it holds it. `local`, the local tier
+  (toolkit/training/tiers.py), goes first when it holds a step newer than `own`'s."""
+  if newer := tiers.newer_steps(local, own):
+    try:
+      state, position = restore_newest_good(local, setup, log, newer)
+    except NothingRestores as e:
+      # Set aside, so that the steps trained again can be saved there anew.
+      where = [set_aside(local, step) for step in newer][-1]
+      local.manager.reload()
+      log(f"warning: no step of the local tier newer than the workdir's restores ({e.causes}); "
+          f"moved {'it' if len(newer) == 1 else 'them'} to {os.path.dirname(where)} and "
+          f"resumed from the workdir's checkpoints")
+    else:
+      if (line := schedule_change(config, local, int(jax.device_get(state["step"])))):
+        log(line)
+      return state, position
   if own.all_steps():
     state, position = restore_newest_good(own, setup, log)
     if (line := schedule_change(config, own, int(jax.device_get(state["step"])))) is not None:
@@ -48,10 +69,12 @@ def restore_or_init(config: ml_collections.ConfigDict, setup: Setup,
 
 
 def restore_newest_good(checkpoints: checkpoint.Checkpoints, setup: Setup,
-                        log: Callable[[str], None]) -> tuple[state_lib.State, dict]:
-  """The newest step of `checkpoints` that restores; the damaged newer ones are set aside."""
+                        log: Callable[[str], None], steps: list[int] | None = None
+                        ) -> tuple[state_lib.State, dict]:
+  """The newest step of `checkpoints` (of `steps`, when given) that restores; the damaged
+  newer ones are set aside."""
   damaged: list[checkpoint.DamagedCheckpoint] = []
-  for step in reversed(checkpoints.all_steps()):
+  for step in reversed(checkpoints.all_steps() if steps is None else steps):
     try:
       state, data_position = restore_step(checkpoints, step, setup, own=True)
     except checkpoint.DamagedCheckpoint as e:
@@ -65,10 +88,18 @@ def restore_newest_good(checkpoints: checkpoint.Checkpoints, setup: Setup,
       checkpoints.manager.reload()  # forget the steps just moved
     log(restored_line(checkpoints, step))
     return state, data_position
-  causes = "; ".join(f"step {e.step}: {e.cause}" for e in damaged)
-  raise ConfigError(f"no checkpoint in {checkpoints.directory} can be restored ({causes}); "
-                    f"nothing was moved. They are damaged or were written by another config: "
-                    f"move that folder away to start from scratch")
+  raise NothingRestores(checkpoints.directory,
+                        "; ".join(f"step {e.step}: {e.cause}" for e in damaged))
+
+
+class NothingRestores(ConfigError):
+  """No step of a checkpoint folder restores."""
+
+  def __init__(self, directory: str, causes: str):
+    super().__init__(f"no checkpoint in {directory} can be restored ({causes}); nothing was "
+                     f"moved. They are damaged or were written by another config: move that "
+                     f"folder away to start from scratch")
+    self.causes = causes
 
 
 def schedule_length(config: dict) -> int:
