@@ -91,9 +91,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, devices=None,
     log_setup(config, setup)
 
     # --- restore or init: the newest checkpoint that restores (damaged ones set aside) -------
+    local = tiers.open_tier(config, workdir)  # None unless train.local_checkpoint_dir
     checkpoints = checkpoint.Checkpoints(workdir_lib.join(workdir, "checkpoints"),
                                          keep=config.train.keep_checkpoints)
-    local = tiers.open_tier(config, workdir)  # None unless train.local_checkpoint_dir
     resuming = any(tier.all_steps() for tier in filter(None, (checkpoints, local)))
     state, data_position = resume.restore_or_init(config, setup, checkpoints, log, hf_folder,
                                                   programs, local)

@@ -54,15 +54,16 @@ def open_tier(config: ml_collections.ConfigDict, workdir: str) -> checkpoint.Che
     if os.path.exists(marker):
       with open(marker, encoding="utf-8") as f:
         saved = json.load(f).get("workdir")
-      if saved != owner:
-        raise ConfigError(f"{field} holds the local checkpoints of another run (workdir "
-                          f"{saved}); give this run its own folder, or remove that one")
     else:
+      saved = owner
       os.makedirs(folder, exist_ok=True)
       with open(marker, "w", encoding="utf-8") as f:
         json.dump({"workdir": owner}, f)
   except (OSError, ValueError) as e:
     raise ConfigError(f"{field} cannot be used ({e}); give a writable local folder") from None
+  if saved != owner:
+    raise ConfigError(f"{field} holds the local checkpoints of another run (workdir {saved}); "
+                      f"give this run its own folder, or remove that one")
   return checkpoint.Checkpoints(os.path.join(folder, "checkpoints"), keep=LOCAL_KEEP)
 
 

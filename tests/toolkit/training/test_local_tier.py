@@ -96,8 +96,8 @@ def test_a_damaged_local_step_falls_back_to_the_workdir(tmp_path, straight, caps
 def test_the_folder_is_refused_where_it_cannot_serve(tmp_path, monkeypatch):
   config = _config(str(tmp_path / "shm"))
   tiers.open_tier(config, str(tmp_path / "a")).close()
-  with pytest.raises(ConfigError, match=r"train.local_checkpoint_dir=.* holds the local "
-                                        r"checkpoints of another run \(workdir .*/a\)"):
+  with pytest.raises(ConfigError, match=r"^train.local_checkpoint_dir=\S+ holds the local "
+                                        r"checkpoints of another run \(workdir \S+/a\); give"):
     tiers.open_tier(config, str(tmp_path / "b"))
   config.train.local_checkpoint_dir = "gs://bucket/shm"
   with pytest.raises(ConfigError, match="is an object store; the local tier is this host's"):
