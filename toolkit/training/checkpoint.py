@@ -118,7 +118,7 @@ class Checkpoints:
     except OSError as e:
       raise storage.StorageError(f"checkpoint folder {self.directory} cannot be used "
                                  f"({storage.cause(e)}); {storage.fix(e)}") from None
-    self._writer, self._failure = _WRITER, None
+    self._writer, self._failures = _WRITER, storage.KeptFailure()
     if workdir_lib.is_url(self.directory) and not read_only and jax.process_index() == 0:
       storage.remove_partial(self.directory)  # steps a killed run left without their marker
 
@@ -127,6 +127,10 @@ class Checkpoints:
 
   def all_steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
+
+  def reload(self) -> None:
+    """Reads the listing again (after steps were moved away)."""
+    self.manager.reload()
 
   # --- writing: the loop copies the state into host memory; a thread hands it to Orbax ------
 
@@ -137,7 +141,7 @@ class Checkpoints:
     StorageError when an earlier save failed."""
     timing = SaveTiming(step=step, started=time.perf_counter())
     self._writer.wait()  # one snapshot at a time: the previous one is in Orbax's hands
-    self._raise_failure()
+    self._failures.raise_if_any()
     fingerprints = integrity.start(state)
     snapshot = _host_snapshot(state)
     timing.blocking_seconds = time.perf_counter() - timing.started
@@ -147,7 +151,7 @@ class Checkpoints:
       write()
       timing.blocking_seconds = time.perf_counter() - timing.started
     else:
-      self._writer.submit(lambda: self._keep_failure(write))
+      self._writer.submit(lambda: self._failures.run(write))
 
   def _write(self, step: int, state: State, fingerprints: integrity.Pending, config: dict,
              data_position: dict) -> None:
@@ -172,21 +176,10 @@ class Checkpoints:
         timing.written = time.perf_counter()
         return
 
-  def _keep_failure(self, write) -> None:
-    """Runs `write` on the shared writer thread; its failure is this manager's to raise."""
-    try:
-      write()
-    except BaseException as e:  # pylint: disable=broad-except  # raised by the next save/wait
-      self._failure = self._failure or e
-
-  def _raise_failure(self) -> None:
-    if self._failure is not None:
-      raise self._failure
-
   def wait(self) -> None:
     """Blocks until the last save is on disk; StorageError if a save failed."""
     self._writer.wait()
-    self._raise_failure()
+    self._failures.raise_if_any()
     try:
       self.manager.wait_until_finished()
     except jax.errors.JaxRuntimeError:

@@ -93,7 +93,8 @@ def defaults() -> ml_collections.ConfigDict:
       # A second, frequent checkpoint tier on this host's own storage (a RAM disk such as
       # /dev/shm/RUN, a local SSD) every local_checkpoint_every steps, the last 2 kept, beside
       # the workdir's checkpoints; a restart resumes from the newer of the two
-      # (toolkit/training/tiers.py). '' is off; one host only for now.
+      # (toolkit/training/tiers.py; on a pod each host keeps its shards and a copy of the
+      # previous host's: host_shards.py). '' is off.
       local_checkpoint_dir="", local_checkpoint_every=10))
   # Process set-up before JAX starts (toolkit.runtime.start, toolkit.compile). xla_flags: the
   # compiler flags that overlap collectives with compute on a TPU or GPU (toolkit/xla_flags.py),

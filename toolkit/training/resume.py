@@ -25,7 +25,7 @@ from jax.experimental import multihost_utils
 from toolkit import hf
 from toolkit.errors import ConfigError
 from toolkit.training import checkpoint, init_from, state as state_lib, step as step_lib
-from toolkit.training import storage, tiers
+from toolkit.training import host_shards, storage, tiers
 from toolkit.training.programs import Programs
 from toolkit.training.setup import Setup
 
@@ -40,13 +40,15 @@ def restore_or_init(config: ml_collections.ConfigDict, setup: Setup,
   starts at step 0. `hf_folder` is `init_from.source`'s answer (checked, or None); a fresh
   state's init program comes from `programs` when it holds it. `local`, the local tier
   (toolkit/training/tiers.py), goes first when it holds a step newer than `own`'s."""
+  for line in getattr(local, "warnings", ()):
+    log(line)
   if newer := tiers.newer_steps(local, own):
     try:
       state, position = restore_newest_good(local, setup, log, newer)
     except NothingRestores as e:
       # Set aside, so that the steps trained again can be saved there anew.
       where = [set_aside(local, step) for step in newer][-1]
-      local.manager.reload()
+      local.reload()
       log(f"warning: no step of the local tier newer than the workdir's restores ({e.causes}); "
           f"moved {'it' if len(newer) == 1 else 'them'} to {os.path.dirname(where)} and "
           f"resumed from the workdir's checkpoints")
@@ -85,7 +87,7 @@ def restore_newest_good(checkpoints: checkpoint.Checkpoints, setup: Setup,
       log(f"warning: checkpoint step {bad.step} is damaged ({bad.cause}); moved it to "
           f"{where} and resumed from step {step}")
     if damaged:
-      checkpoints.manager.reload()  # forget the steps just moved
+      checkpoints.reload()  # forget the steps just moved
     log(restored_line(checkpoints, step))
     return state, data_position
   raise NothingRestores(checkpoints.directory,
@@ -202,7 +204,8 @@ def _reference_changed(saved: dict, setup: Setup, where: str, saved_copy: bool) 
 def restored_line(checkpoints: checkpoint.Checkpoints, step: int) -> str:
   verified = "" if checkpoints.has_fingerprints(step) else (
       " (written before fingerprints existed: not verified)")
-  return f"restored step {step} from {checkpoints.directory}{verified}"
+  return f"restored step {step} from {checkpoints.directory}{verified}" + getattr(
+      checkpoints, "note", "")
 
 
 def _agree(damage: checkpoint.DamagedCheckpoint | None, checkpoints: checkpoint.Checkpoints,
@@ -219,7 +222,10 @@ def _agree(damage: checkpoint.DamagedCheckpoint | None, checkpoints: checkpoint.
 
 
 def set_aside(checkpoints: checkpoint.Checkpoints, step: int) -> str:
-  """Process 0 moves the step folder away; every process waits for it."""
+  """Process 0 moves the step folder away; every process waits for it. (The local tier of
+  several processes: each process moves its own.)"""
+  if isinstance(checkpoints, host_shards.HostShards):
+    return checkpoints.set_aside(step)
   where = ""
   if jax.process_index() == 0:
     where = storage.set_aside(checkpoints.directory, step)

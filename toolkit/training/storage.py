@@ -184,6 +184,24 @@ class Writer:
       return self._done.wait_for(lambda: self._pending == 0, timeout_s)
 
 
+class KeptFailure:
+  """The first failure of the writes one owner queued on a Writer, raised by the owner's next
+  save or wait (the thread cannot raise it to anyone)."""
+
+  def __init__(self):
+    self.failure: BaseException | None = None
+
+  def run(self, write: Callable[[], object]) -> None:
+    try:
+      write()
+    except BaseException as e:  # pylint: disable=broad-except  # raised by raise_if_any
+      self.failure = self.failure or e
+
+  def raise_if_any(self) -> None:
+    if self.failure is not None:
+      raise self.failure
+
+
 def call_bounded(function: Callable[[], object], seconds: float, what: str) -> BaseException | None:
   """Runs `function` in a daemon thread for at most `seconds`; returns what it raised, a
   TimeoutError if it did not finish (it is left running, but cannot hold the process), or

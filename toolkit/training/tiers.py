@@ -14,8 +14,9 @@ persistent tier. A crash or a hang then costs at most `local_checkpoint_every` s
 its local tier with it, and the restart uses the persistent one.
 
 The folder belongs to one run: its `run.json` names the workdir, and another run's folder is
-refused. One host only: on a pod each host would hold only its own shards, and a restart after
-losing one needs a copy of them on a peer (not built yet), so a multi-process run refuses it.
+refused. In a run of several processes each process writes its own shards, and a copy of the
+previous process's, into `<folder>/process_<i>` on its host (host_shards.py): a restart that
+lost a host, or got a new one with an empty disk, restores from the copies on the others.
 """
 from __future__ import annotations
 
@@ -27,15 +28,17 @@ import ml_collections
 
 from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
-from toolkit.training import checkpoint
+from toolkit.training import checkpoint, host_shards
 
 LOCAL_KEEP = 2
 _MARKER = "run.json"
 
 
-def open_tier(config: ml_collections.ConfigDict, workdir: str) -> checkpoint.Checkpoints | None:
-  """The run's local tier, or None when `train.local_checkpoint_dir` is unset. ConfigError for
-  a folder that is not on this host, belongs to another run, or a run of several processes."""
+def open_tier(config: ml_collections.ConfigDict, workdir: str
+              ) -> checkpoint.Checkpoints | host_shards.HostShards | None:
+  """The run's local tier, or None when `train.local_checkpoint_dir` is unset: an Orbax folder
+  in one process, host_shards.HostShards in several. ConfigError for a folder that is not on
+  this host or belongs to another run."""
   folder = config.train.get("local_checkpoint_dir", "")
   if not folder:
     return None
@@ -44,11 +47,23 @@ def open_tier(config: ml_collections.ConfigDict, workdir: str) -> checkpoint.Che
     raise ConfigError(f"{field} is an object store; the local tier is this host's own storage "
                       f"(a RAM disk such as /dev/shm/RUN or a local disk): give a local folder, "
                       f"or '' to turn it off")
-  if jax.process_count() > 1:
-    raise ConfigError(f"{field}: the local tier runs on one host only for now (each host of "
-                      f"this {jax.process_count()}-process run would hold only its own shards); "
-                      f"unset it and use train.checkpoint_every")
   owner = workdir_lib.absolute(workdir)
+  if jax.process_count() > 1:  # each process its own folder, its shards and a peer's
+    try:
+      _claim(os.path.join(folder, f"process_{jax.process_index()}"), owner, field)
+      problem = None
+    except ConfigError as e:
+      problem = str(e)
+    # Every process stops with the same error, or none does (the next steps are collectives).
+    if (first := next(filter(None, host_shards.allgather_json(problem)), None)) is not None:
+      raise ConfigError(first)
+    return host_shards.HostShards(folder, LOCAL_KEEP).open()
+  _claim(folder, owner, field)
+  return checkpoint.Checkpoints(os.path.join(folder, "checkpoints"), keep=LOCAL_KEEP)
+
+
+def _claim(folder: str, owner: str, field: str) -> None:
+  """Marks `folder` as the run's (workdir `owner`); ConfigError if it is another run's."""
   marker = os.path.join(folder, _MARKER)
   try:
     if os.path.exists(marker):
@@ -64,7 +79,6 @@ def open_tier(config: ml_collections.ConfigDict, workdir: str) -> checkpoint.Che
   if saved != owner:
     raise ConfigError(f"{field} holds the local checkpoints of another run (workdir {saved}); "
                       f"give this run its own folder, or remove that one")
-  return checkpoint.Checkpoints(os.path.join(folder, "checkpoints"), keep=LOCAL_KEEP)
 
 
 def due(config: ml_collections.ConfigDict, step: int) -> bool:

@@ -93,7 +93,7 @@ def test_a_damaged_local_step_falls_back_to_the_workdir(tmp_path, straight, caps
   assert 4 in _save_records(workdir)["local_checkpoint"]
 
 
-def test_the_folder_is_refused_where_it_cannot_serve(tmp_path, monkeypatch):
+def test_the_folder_is_refused_where_it_cannot_serve(tmp_path):
   config = _config(str(tmp_path / "shm"))
   tiers.open_tier(config, str(tmp_path / "a")).close()
   with pytest.raises(ConfigError, match=r"^train.local_checkpoint_dir=\S+ holds the local "
@@ -103,7 +103,4 @@ def test_the_folder_is_refused_where_it_cannot_serve(tmp_path, monkeypatch):
   with pytest.raises(ConfigError, match="is an object store; the local tier is this host's"):
     tiers.open_tier(config, str(tmp_path / "a"))
   assert tiers.open_tier(_config(""), str(tmp_path / "a")) is None
-  monkeypatch.setattr(tiers.jax, "process_count", lambda: 2)
-  with pytest.raises(ConfigError, match="runs on one host only for now"):
-    tiers.open_tier(_config(str(tmp_path / "shm")), str(tmp_path / "a"))
   assert [s for s in range(1, 7) if tiers.due(_config("x"), s)] == [2, 4, 6]
