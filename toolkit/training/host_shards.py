@@ -13,6 +13,13 @@ copy's bytes tells a damaged copy from a good one. Each process keeps its last `
 A step written by another number of processes, or missing a process's shards on both hosts that
 held them (a host and its successor lost), is set aside into `process_<i>/damaged_checkpoints`
 with one warning, and the workdir's checkpoints serve.
+
+Why not Orbax here (the persistent tier and the one-process local tier are Orbax's): Orbax
+0.12.8's emergency managers (`experimental.emergency`: the replicator and the p2p manager)
+restore a process's shards from another data-parallel replica that holds the same ones, over
+slices or a replica axis; a state sharded over every device (fsdp) has no such replica, so
+here each shard is copied to a peer on purpose, and the copies, which are another process's
+host arrays, are written as plain files.
 """
 from __future__ import annotations
 
