@@ -69,6 +69,8 @@ SKIP = {
     r"^python scripts/bench_\w+\.py\s*(#|$)": "a full benchmark (minutes); its --quick run "
                                                "is here",
     r"calibrate_cpu\.py\s+#": "the full calibration (~10 min); --quick is here",
+    r"drill_faults\.py\s+#": "the full drill (two 200-step pod jobs, ~2 min); --steps=60 is "
+                               "here",
     r"bench_moe\.py --quick": "tests/scripts/test_bench_moe.py runs it (with --json) and "
                               "checks its table",
     r"bench_step\.py --quick": "tests/scripts/test_bench_step.py runs it (with --json) and "
@@ -130,6 +132,7 @@ SLOW = {
     r"scripts/local_pod\.py": "two JAX processes; tests/toolkit/pod runs the pod simulator",
     r"scripts/bench_": "benchmarks, even --quick",
     r"scripts/seeds\.py": "three ViT runs",
+    r"scripts/drill_faults\.py": "two supervised pod jobs, a crash and a hang (~1.5 min)",
 }
 # Docstring commands that need no JAX: cheap, so the default suite runs them too.
 JAX_FREE = (r"scripts/(tpu_pod|gke_jobset|slurm_job|prepare_text|check_layout|doc_commands)\.py",

@@ -284,7 +284,13 @@ class Supervisor:
     detail = f"p{failed} {local.describe_status(job.procs[failed].returncode)}"
     if code == INTERRUPTED_EXIT:
       return "stopped", detail
-    if code == HANG_EXIT or any(p.returncode == HANG_EXIT for p in job.procs):
+    first = job.procs[failed].returncode
+    if code == HANG_EXIT or first == HANG_EXIT:
+      return "hang", self._hang_detail(attempt) or detail
+    if first is not None and first < 0:
+      return "crash", detail  # killed first: a peer's watchdog that fired after is its effect
+    # A hung process's peers can fail first on the CPU's collective timeout (exit 1).
+    if any(p.returncode == HANG_EXIT for p in job.procs):
       return "hang", self._hang_detail(attempt) or detail
     if code < 0:
       return "crash", detail

@@ -127,3 +127,22 @@ def test_a_killed_host_is_named_before_the_peers_it_took_down():
   # One that failed earlier is still the first.
   job.exit_times[0] = 4.9
   assert supervisor._classify(attempt, job) == ("crash", "p0 exit status 1")
+
+
+def test_a_hang_exit_after_a_killed_peer_is_a_crash_and_before_it_a_hang():
+  """A peer's watchdog that fires while it waits on a killed process (its exit 75 after the
+  kill) does not make the kill a hang; a watchdog's exit before its stopped peer is killed
+  (by the launcher, after it) is one; so is one after a peer's collective timeout (exit 1)."""
+  supervisor = supervisor_lib.Supervisor(2, 4, ["--config=experiments/lm.py:tiny"])
+  attempt = supervisor_lib.Attempt(1, 0.0, returncode=-signal.SIGKILL, first_progress=1.0)
+  killed = types.SimpleNamespace(procs=[types.SimpleNamespace(returncode=code)
+                                        for code in (75, -signal.SIGKILL)],
+                                 exit_times={1: 5.0, 0: 8.0})
+  assert supervisor._classify(attempt, killed) == ("crash", "p1 killed by SIGKILL")
+  killed.exit_times = {0: 5.0, 1: 8.0}
+  attempt.returncode = 75
+  assert supervisor._classify(attempt, killed)[0] == "hang"
+  timed_out = types.SimpleNamespace(procs=[types.SimpleNamespace(returncode=code)
+                                           for code in (1, 75)], exit_times={0: 5.0, 1: 6.0})
+  attempt.returncode = 1
+  assert supervisor._classify(attempt, timed_out)[0] == "hang"
