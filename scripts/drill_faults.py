@@ -7,12 +7,15 @@ without faults, what each failure cost, and the goodput of both (the table in do
 Both jobs are `toolkit.supervise`'s Supervisor running experiments/lm.py:tiny, the workdir
 checkpointed every --checkpoint_every steps and the local tier (toolkit/training/tiers.py) every
 --local_every steps into a temporary folder. In the faulted job process 1 is SIGKILLed once
-both hosts hold a local step past 30 % of the steps (a crash), and SIGSTOPped past 70 % (a
-hang: process 0 waits in a collective until its watchdog ends it after --hang_timeout_s). Each
-job prints one row: wall time, attempts, seconds waiting out hangs, seconds restarting and
-restoring, steps trained again (toolkit.supervise's record), and its goodput: the job's steps
-at the last attempt's step time over the job's wall time. Exits 1 when a fault did not happen
-as planned or the faulted job's losses differ from the clean one's (the same mesh: bitwise).
+both hosts hold a local step past 30 % of the steps and its local folder deleted (a crash on a
+host replaced with an empty disk: the restart restores that step, process 1's shards from the
+copy on process 0's host), and SIGSTOPped past 70 % (a hang: process 0 waits in a collective
+until its watchdog ends it after --hang_timeout_s). Each job prints one row: wall time,
+attempts, seconds waiting out hangs, seconds restarting and restoring, steps trained again
+(toolkit.supervise's record), and its goodput: the job's steps at the last attempt's step time
+over the job's wall time. Exits 1 when a fault did not happen
+or restart as planned, or the faulted job's losses differ from the clean one's (the same mesh:
+bitwise).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -109,17 +113,33 @@ def _restored(text: str) -> int:
           or [0])[-1] if "[supervise] restart" in text else 0
 
 
-def faulted(job: Job) -> None:
-  """A crash past 30 % of the steps (after a local save on every host), a hang past 70 %."""
+def faulted(job: Job) -> int:
+  """A crash past 30 % of the steps (after a local save on every host) whose host comes back
+  with an empty local folder, a hang past 70 %; returns the local step saved before the crash."""
   crash_at = _STEPS.value * 3 // 10
   job.wait_for(lambda: job.local_step_on_every_host() >= crash_at, f"local step {crash_at}")
+  saved = job.local_step_on_every_host()
   os.kill(job.supervisor.job.procs[1].pid, signal.SIGKILL)
+  shutil.rmtree(job.local / "process_1")  # a replaced host: its RAM disk is empty
   job.wait_for(lambda: "recovered in" in job.text(), "the crash's recovery")
   hang_at = _STEPS.value * 7 // 10
   job.wait_for(lambda: job.last_step() >= hang_at, f"step {hang_at}")
   os.kill(job.supervisor.job.procs[1].pid, signal.SIGSTOP)
   job.wait_for(lambda: job.text().count("recovered in") == 2, "the hang's recovery")
+  return saved
 
+
+def from_the_peer_copy(job: Job, saved: int) -> str | None:
+  """What is wrong with the crash's restart (None: it restored the local step saved before
+  the crash, process 1's shards from the copy on process 0's host, or a newer one)."""
+  folder = re.escape(str(job.local / "process_0" / "checkpoints"))
+  restored = re.search(rf"^\[p0\] restored step (\d+) from {folder} \(process 1's shards from "
+                       rf"the copy on process 0's host\)$", job.text(), re.M)
+  if restored is None:
+    return "the crash's restart did not restore from the peer's copy"
+  if int(restored[1]) < saved:
+    return f"the crash's restart restored step {restored[1]}, older than the local {saved}"
+  return None
 
 def main(argv: list[str]) -> int:
   del argv
@@ -128,9 +148,10 @@ def main(argv: list[str]) -> int:
   with tempfile.TemporaryDirectory(prefix="meshkit-drill-") as root:
     for name in ("clean", "faulted"):
       job = Job(pathlib.Path(root) / name, pathlib.Path(root) / f"{name}-shm")
-      if name == "faulted":
-        faulted(job)
+      saved = faulted(job) if name == "faulted" else 0
       results[name] = result = job.finish()
+      if name == "faulted":
+        result["problem"] = from_the_peer_copy(job, saved)
       s = result["summary"]
       rows.append(f"| {name} | {s['wall_s']:.1f} | {s['attempts']} "
                   f"({', '.join(s['causes']) or 'no failure'}) | {s['hang_detection_s']:.1f} | "
@@ -147,8 +168,10 @@ def main(argv: list[str]) -> int:
   same = results["faulted"]["losses"] == results["clean"]["losses"]
   causes = results["faulted"]["summary"]["causes"]
   print(f"\nfaulted job's losses equal the clean job's, bitwise: {same}")
-  if not same or causes != ["crash", "hang"]:
-    print(f"error: the drill did not go as planned (failures {causes}, losses equal: {same})")
+  problem = results["faulted"]["problem"]
+  if not same or causes != ["crash", "hang"] or problem:
+    print(f"error: the drill did not go as planned (failures {causes}, losses equal: {same}"
+          f"{'; ' + problem if problem else ''})")
     return 1
   return 0
 
