@@ -12,8 +12,9 @@ streams).
 
 What a fork cannot give, a real interpreter does: a command whose environment changes a
 variable that Python or JAX read while the server imported them (JAX_*, TPU_*, LIBTPU*,
-PYTHON*), or any caller that asks with `fresh=True`, gets `subprocess` as before. XLA_FLAGS
-may differ: XLA reads it when the child starts its backend. Keep a
+PYTHON*), or any caller that asks with `fresh=True`, gets `subprocess` as before, except for
+the Cloud Storage clients' settings (a server imported with them). XLA_FLAGS may differ: XLA
+reads it when the child starts its backend. Keep a
 handful of the tests on fresh interpreters (`fresh=True`): they check what a shell sees with
 nothing preloaded.
 
@@ -40,10 +41,21 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 120  # the server's imports: ~3 s on a quiet machine
 # Read by Python or JAX while the server imports them: a different value needs a fresh
 # interpreter.
-_READ_AT_IMPORT = ("JAX_", "TPU_", "LIBTPU", "PYTHON",
-                   # Cloud Storage clients (scripts/gcs_emulator.py's environment)
-                   "TENSORSTORE_", "GCSFS_", "FSSPEC_", "STORAGE_EMULATOR", "GOOGLE_", "GCE_",
-                   "NO_GCE")
+# Cloud Storage clients' settings (scripts/gcs_emulator.py's environment): tests/conftest.py's
+# gcs_server puts them in this process's environment for the rest of the session, so every
+# later command whose environment is a copy of it differs from _BASE_ENV here. Such commands get
+# a server imported in that environment (one, kept), not a new interpreter each. Every
+# command of a pytest process after its first Cloud Storage test used to start a new
+# interpreter: tests/toolkit/test_gcs_paths.py then test_cli.py in one process took 87 s, the
+# CLI's one-error-line cases 37 s of it; 47 s and 6 s with the server.
+_STORAGE = ("TENSORSTORE_", "GCSFS_", "FSSPEC_", "STORAGE_EMULATOR", "GOOGLE_", "GCE_", "NO_GCE")
+_READ_AT_IMPORT = ("JAX_", "TPU_", "LIBTPU", "PYTHON", *_STORAGE)
+# Set in this process's environment when a test loads libtpu (a TPU compile: JAX's TPU
+# initialization and toolkit/pod/target.py) and read only when a process loads libtpu, which the
+# server never does: ignored. They made every later command of a pytest process that had
+# compiled for a TPU start a new interpreter: the CLI's one-error-line cases took 46 s in make
+# test and 6 s without.
+_SET_WHEN_LIBTPU_LOADS = ("TPU_LIBRARY_PATH", "TPU_SKIP_MDS_QUERY", "TPU_LOG_DIR")
 # The environment the server imports in: this process's when the suite imported this module.
 _BASE_ENV = dict(os.environ)
 # What the server imports before it forks: everything a command's module imports at its top,
@@ -147,7 +159,8 @@ _LOCK = threading.Lock()
 
 
 def _read_at_import(env: Mapping[str, str]) -> dict[str, str]:
-  return {k: v for k, v in env.items() if k.startswith(_READ_AT_IMPORT)}
+  return {k: v for k, v in env.items()
+          if k.startswith(_READ_AT_IMPORT) and k not in _SET_WHEN_LIBTPU_LOADS}
 
 
 def _server_for(env: Mapping[str, str], own: bool = False) -> _Server | None:
@@ -156,7 +169,8 @@ def _server_for(env: Mapping[str, str], own: bool = False) -> _Server | None:
   that imported in `env` itself (started on first use and kept, one per such environment: for
   a caller whose many commands share one environment, such as the documented commands')."""
   key, base = (tuple(sorted(_read_at_import(e).items())) for e in (env, _BASE_ENV))
-  if key != base and not own:
+  differ = {name for name, _ in set(key) ^ set(base)}
+  if differ and not own and not all(name.startswith(_STORAGE) for name in differ):
     return None
   with _LOCK:
     if key not in _servers:
