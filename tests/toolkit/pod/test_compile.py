@@ -143,6 +143,7 @@ def test_cpu_lm_compiles_and_fits_on_small_slices(topology):
 
 
 @pytest.mark.tpu_aot
+@pytest.mark.slow  # 15 s; make test stays within its 10-minute budget (docs/testing.md)
 def test_splash_step_compiles_with_the_kernel_and_no_score_tensor(tmp_path):
   """model.attention=auto on a TPU at 512 tokens is the Pallas splash kernel: the compiled
   step calls it (a Mosaic custom call) and holds no (q, k) score tensor; the report says so."""

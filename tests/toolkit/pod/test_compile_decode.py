@@ -42,6 +42,7 @@ def test_the_decode_report_on_simulated_devices(tmp_path):
 
 
 @pytest.mark.tpu_aot
+@pytest.mark.slow  # two 7b decode compiles: 14 s
 def test_int8_weights_halve_the_7b_decode_step_on_v5e_8(tmp_path):
   """The engine's paged decode step of the 7b with int8 weights compiles for a v5e-8 (16 GiB
   chips, libtpu) and fits, its weights per device about half of bfloat16's: int8 values and

@@ -90,7 +90,8 @@ def test_async_pairs_are_counted_in_every_form_and_each_transfer_once():
   assert plain.pairs == {"all-reduce": 1, "reduce-scatter": 1}   # the named fusions are the form
 
 
-@pytest.mark.tpu_aot  # two TPU compiles, one in a new process: 15 s (29 s on busy cores)
+@pytest.mark.tpu_aot
+@pytest.mark.slow  # two TPU compiles, one in a new process: 14 s (29 s on busy cores)
 def test_without_the_overlap_flags_the_all_gathers_run_synchronously(tmp_path):
   """The negative control of test_compile.py's test_cpu_lm_compiles_and_fits_on_small_slices:
   toolkit.compile with runtime.xla_flags=none schedules no all-gather async (libtpu 0.0.42

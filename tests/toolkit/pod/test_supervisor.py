@@ -1,6 +1,6 @@
 """toolkit.supervise (toolkit/pod/supervisor.py): a job killed mid-run and then hung is
 restarted twice and finishes with the losses of an uninterrupted run, each step once in
-metrics.jsonl; a mistake is not retried."""
+metrics.jsonl (the fault drill's jobs, scripts/drill_faults.py); a mistake is not retried."""
 from __future__ import annotations
 
 import io
@@ -12,14 +12,15 @@ import types
 
 import pytest
 
+from tests import preloaded
 from tests.toolkit.pod import supervised
 from toolkit.pod import supervisor as supervisor_lib
 
-STEPS = 100  # room to act at steps 15 and 40 before the end (steps take 20-150 ms here)
+STEPS = 100  # the tiny model: 20-150 ms a step here
 TRAIN = ["--config=experiments/lm.py:tiny", f"--config.train.steps={STEPS}",
          "--config.train.checkpoint_every=10", "--config.train.log_every=1",
          "--config.train.eval_every=1000", "--config.train.sample_tokens=0"]
-TIMEOUT_S = 120
+DRILL_TIMEOUT_S = 600  # two jobs of ~35 s quiet, each with a deadline of 280 s (--timeout_s)
 
 
 def test_a_mistake_is_not_retried(tmp_path):
@@ -58,38 +59,20 @@ def test_each_attempt_is_told_what_the_attempts_before_it_cost():
   assert goodput.JOB_ENV == supervisor_lib.JOB_ENV
 
 
-@pytest.mark.slow  # three attempts and an uninterrupted run: ~60 s
+@pytest.mark.slow  # the fault drill's two jobs at 60 steps: ~75 s quiet, ~120 s under load
 def test_a_crash_and_a_hang_are_restarted_and_the_losses_equal_an_uninterrupted_run(tmp_path):
-  # The uninterrupted run, supervised too (the same processes and environment: bitwise).
-  straight = tmp_path / "straight"
-  clean = supervisor_lib.Supervisor(1, 8, [*TRAIN, f"--workdir={straight}"],
-                                    out=io.StringIO(), err=io.StringIO())
-  assert clean.run() == 0
-  assert [a.cause for a in clean.attempts] == ["finished"]
-
-  workdir = tmp_path / "w"
-  out, err = io.StringIO(), io.StringIO()
-  supervisor = supervisor_lib.Supervisor(
-      1, 8, [*TRAIN, f"--workdir={workdir}", "--config.train.hang_timeout_s=4"],
-      restart_delay_s=2, out=out, err=err)
-  with supervised.Running(supervisor, TIMEOUT_S) as job:
-    # A crash: SIGKILL once the job is past its first checkpoint.
-    job.wait_for(lambda: "[p0] step 15/" in job.text(), "step 15")
-    os.kill(supervisor.job.procs[0].pid, signal.SIGKILL)
-    job.wait_for(lambda: "recovered in" in job.text(), "the first recovery")
-    # A hang: metrics.jsonl becomes a pipe nobody reads, so the next metrics write blocks.
-    job.wait_for(lambda: re.search(r"\[p0\] step (4\d|[5-9]\d)/", job.text()), "step 40")
-    metrics, saved = workdir / "metrics.jsonl", workdir / "metrics.saved"
-    os.rename(metrics, saved)
-    os.mkfifo(metrics)
-    job.wait_for(lambda: "[supervise] restart 2 of 3" in job.text(), "the hang's restart")
-    os.remove(metrics)  # before the restart (2 s later) opens it again
-    os.rename(saved, metrics)
-    code = job.join()
-  output = job.text()
-  assert code == 0, output[-5000:]
-  assert [a.cause for a in supervisor.attempts] == ["crash", "hang", "finished"], output[-5000:]
-  assert re.search(r"^\[supervise\] restart 1 of 3 after a crash \(p0 killed by SIGKILL\) at "
+  """scripts/drill_faults.py --steps=60 (its documented command): a 2 x 4 job supervised
+  without faults, and the same job with process 1 SIGKILLed past step 18 (its local folder
+  deleted) and SIGSTOPped past step 42. The drill itself exits 1 unless the failures came as a
+  crash and a hang, the crash's restart restored the local step saved before it from the
+  peer's copy, and the losses equal the clean job's; this test reads what it kept."""
+  done = preloaded.run(script="scripts/drill_faults.py",
+                       args=["--steps=60", "--timeout_s=280", f"--keep={tmp_path}"],
+                       env=_shell_env(), timeout=DRILL_TIMEOUT_S)
+  output = (tmp_path / "faulted.log").read_text()
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + output[-3000:]
+  assert "faulted job's losses equal the clean job's, bitwise: True" in done.stdout
+  assert re.search(r"^\[supervise\] restart 1 of 3 after a crash \(p1 killed by SIGKILL\) at "
                    r"step \d+", output, re.M), output[-5000:]
   assert re.search(r"^\[supervise\] restart 2 of 3 after a hang \(p0: no progress for "
                    r"[\d.]+ s after step \d+\)", output, re.M), output[-5000:]
@@ -98,11 +81,13 @@ def test_a_crash_and_a_hang_are_restarted_and_the_losses_equal_an_uninterrupted_
   assert len(recovered) == 2 and all(int(lost) <= 10 for _, _, lost in recovered), recovered
   assert re.search(r"^\[supervise\] job finished after 3 attempt\(s\) \(failures: crash, "
                    r"hang\)", output, re.M), output[-3000:]
-  # The same steps on the same batches from the same checkpoints: the uninterrupted losses.
-  assert supervised.losses(workdir) == supervised.losses(straight)
+  # The same steps on the same batches from the same checkpoints: the uninterrupted losses,
+  # each step recorded once.
+  workdir = tmp_path / "faulted"
+  assert supervised.losses(workdir) == supervised.losses(tmp_path / "clean")
   [record] = [json.loads(l) for l in (workdir / "supervisor.jsonl").read_text().splitlines()]
   assert record["causes"] == ["crash", "hang"] and record["final"] == "finished"
-  assert 4 <= record["hang_detection_s"] < 6  # train.hang_timeout_s=4, polled
+  assert 3 <= record["hang_detection_s"] < 5  # the drill's train.hang_timeout_s=3, polled
   # The last attempt's goodput line and record carry the job's lifetime: the same hang time
   # and steps trained again as the supervisor's record, a restart time at least its own.
   goodput = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()
@@ -114,6 +99,24 @@ def test_a_crash_and_a_hang_are_restarted_and_the_losses_equal_an_uninterrupted_
   assert 0 < goodput["job_restart_seconds"] and goodput["job_wall_seconds"] <= record["wall_s"]
   assert re.search(r"^\[p0\] goodput .*; the job \(attempt 3\): [\d.]+ s since it started, "
                    r"[\d.]+ s waiting out hangs", output, re.M), output[-3000:]
+
+
+def _shell_env() -> dict[str, str]:
+  """The environment a user's shell gives the drill (the supervisor simulates each process's
+  devices itself), with the suite's LLVM setting (tests/conftest.py)."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  return env | {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+
+
+def test_the_drill_refuses_a_folder_that_is_not_empty(tmp_path):
+  (tmp_path / "kept").mkdir()
+  (tmp_path / "kept" / "notes.txt").write_text("mine")
+  done = preloaded.run(script="scripts/drill_faults.py", args=[f"--keep={tmp_path / 'kept'}"],
+                       env=_shell_env(), timeout=60)
+  assert done.returncode == 2
+  assert done.stderr.strip().splitlines()[-1] == \
+      f"error: --keep={tmp_path / 'kept'} is not empty; name a new folder", done.stderr
+  assert os.listdir(tmp_path / "kept") == ["notes.txt"]
 
 
 def test_a_killed_host_is_named_before_the_peers_it_took_down():

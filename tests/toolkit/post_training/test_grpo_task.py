@@ -48,6 +48,7 @@ def _records(workdir) -> dict[int, dict]:
   return {r["step"]: r for r in lines if r["kind"] == "train"}
 
 
+@pytest.mark.slow  # 27 s; the step's own sharded == one device is in make test (test_grpo_step.py)
 def test_a_run_on_8_devices_trains_as_on_one(tmp_path):
   sharded = grpo.run(_config(), str(tmp_path / "sharded"))
   one = grpo.run(_config("data:1,fsdp:1,tensor:1", "fsdp"), str(tmp_path / "one"),
@@ -123,6 +124,7 @@ def test_a_kl_reference_it_cannot_read_is_one_error(rank, beta, reference, words
     config_lib.resolve(config)
 
 
+@pytest.mark.slow  # 19 s; make test stays within its 10-minute budget (docs/testing.md)
 def test_a_stopped_run_resumes_with_the_same_rollouts_and_its_frozen_copy(tmp_path, capsys):
   """A run stopped at step 2 resumes with the same rollouts, losses and KL estimates: without
   adapters the KL penalty's reference ("auto") is a frozen copy of the starting weights,

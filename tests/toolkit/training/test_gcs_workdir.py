@@ -113,6 +113,7 @@ def test_a_killed_run_resumes_in_the_bucket_bitwise(gcs_server, gcs_bucket, tmp_
   assert not os.path.exists(os.path.join(REPO, "gs:")), "a local folder named gs: was created"
 
 
+@pytest.mark.slow  # 17 s; make test stays within its 10-minute budget (docs/testing.md)
 def test_a_half_written_step_is_skipped_and_removed(gcs_server, gcs_bucket):
   env = _env(gcs_server)
   url = f"gs://{gcs_bucket}/run"
