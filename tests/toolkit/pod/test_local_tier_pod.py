@@ -21,10 +21,14 @@ pytestmark = [pytest.mark.multiprocess,
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 TIMEOUT_S = 300  # one tiny 2-process run takes ~10-20 s on 2 shared cores
+# --heartbeat_timeout: these runs are about restoring, not about noticing a dead peer (the
+# default 10 s: tests/toolkit/pod/test_multiprocess.py). Under CI's load (both pytest processes
+# and the newest-deps smoke tests beside them) one of them went 10 s without a heartbeat while
+# both processes compiled, and the coordination service aborted the two as dead.
 COMMON = ["--config=experiments/lm.py:tiny", "--config.optimizer.schedule_steps=6",
           "--config.train.checkpoint_every=3", "--config.train.eval_every=6",
           "--config.train.log_every=1", "--config.train.sample_tokens=0",
-          "--config.train.local_checkpoint_every=2"]
+          "--config.train.local_checkpoint_every=2", "--heartbeat_timeout=60"]
 
 
 def _pod(workdir: pathlib.Path, local: pathlib.Path, steps: int, status: int = 0) -> str:
