@@ -85,6 +85,9 @@ def test_a_crash_and_a_hang_are_restarted_and_the_losses_equal_an_uninterrupted_
   # each step recorded once.
   workdir = tmp_path / "faulted"
   assert supervised.losses(workdir) == supervised.losses(tmp_path / "clean")
+  [clean] = [json.loads(l) for l in
+             (tmp_path / "clean" / "supervisor.jsonl").read_text().splitlines()]
+  assert clean["causes"] == [] and clean["final"] == "finished", clean
   [record] = [json.loads(l) for l in (workdir / "supervisor.jsonl").read_text().splitlines()]
   assert record["causes"] == ["crash", "hang"] and record["final"] == "finished"
   assert 3 <= record["hang_detection_s"] < 5  # the drill's train.hang_timeout_s=3, polled
