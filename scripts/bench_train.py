@@ -66,9 +66,8 @@ def rate(checkout: str, devices: int, steps: int, log_every: int, timeout_s: int
          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   with tempfile.TemporaryDirectory() as workdir:
     done = subprocess.run(command(steps, log_every, os.path.join(workdir, "run"), config),
-                          cwd=checkout,
-                          env=env, capture_output=True, text=True, timeout=timeout_s,
-                          check=False)
+                          cwd=checkout, env=env, capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
   if done.returncode:
     raise RuntimeError(f"toolkit.train in {checkout} exited {done.returncode}:\n"
                        f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
