@@ -1,7 +1,7 @@
 """Llama-style decoder LM on byte-level text (CPython's own documentation, no download).
 
-Launch (the `make demo` job, 8 simulated devices; 1.9-7.9 min on 2 CPU cores: 1.9 and 3.8 min
-measured quiet, 7.9 at a load average of ~13):
+Launch (the `make demo` job, 8 simulated devices; 1.8-7.9 min on 2 CPU cores: 1.8 min measured
+quiet, 1.9 and 3.8 before its layers ran unrolled, 7.9 at a load average of ~13):
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
     python -m toolkit.train --config=experiments/lm.py:cpu --workdir=runs/lm_cpu

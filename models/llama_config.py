@@ -167,9 +167,11 @@ PRESETS: dict[str, LlamaConfig] = {
     # For unit tests: a few hundred kB of parameters.
     "tiny": LlamaConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                         mlp_dim=64),
-    # The CPU demo: ~0.9 M parameters, byte-level vocabulary.
+    # The CPU demo: ~0.9 M parameters, byte-level vocabulary. Its 4 layers run unrolled (the
+    # weights stay stacked, so checkpoints are the same): XLA:CPU trained the demo 1.28x and the
+    # one-device fine-tune 1.58x faster so (scripts/bench_train.py, docs/benchmarks.md).
     "cpu": LlamaConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
-                       mlp_dim=384),
+                       mlp_dim=384, scan_layers=False),
     # Real shapes for ahead-of-time compiles. 125m: GPT-3 Small widths with a Llama MLP and
     # untied 32k vocabulary (134 M in all, 85 M without embeddings); 1b is Llama 3.2 1B (its
     # config.json's values, RoPE scaling included), 8b Llama 3.1 8B (likewise), 7b Llama 2 7B,

@@ -170,10 +170,10 @@ PRODUCERS = {
                              r"lm_cpu_hf,lora=16 \\\n\s*--workdir=runs/sft_repeat_lora"),
     "runs/sft_lora_peft": (r"toolkit\.convert export --workdir=runs/sft_repeat_lora "
                            r"--out=runs/sft_lora_peft --peft"),
-    "runs/sft_repeat_220": (r"toolkit\.train --config=experiments/sft\.py:cpu,base=runs/lm_cpu_hf "
-                            r"\\\n\s*--config\.train\.steps=220 [^\n]*--workdir=runs/sft_repeat_220"),
-    "runs/sft_repeat_220_hf": (r"toolkit\.convert export --workdir=runs/sft_repeat_220 "
-                               r"--out=runs/sft_repeat_220_hf"),
+    "runs/sft_repeat_240": (r"toolkit\.train --config=experiments/sft\.py:cpu,base=runs/lm_cpu_hf "
+                            r"\\\n\s*--config\.train\.steps=240 [^\n]*--workdir=runs/sft_repeat_240"),
+    "runs/sft_repeat_240_hf": (r"toolkit\.convert export --workdir=runs/sft_repeat_240 "
+                               r"--out=runs/sft_repeat_240_hf"),
 }
 # pattern of a command -> (pattern of an output line it may print, why). Reviewed: each one an
 # open problem of the code, not of the docs.
