@@ -1,5 +1,5 @@
-"""Parameters for inference: a checkpoint's latest step restored straight into the shardings
-that a config's mesh and rules give them, without the optimizer state.
+"""Parameters for inference: a checkpoint's step (the latest by default) restored straight
+into the shardings that a config's mesh and rules give them, without the optimizer state.
 
 Only the model and its shardings are built (the config validated, the mesh, the rules, the
 abstract parameters): no optimizer, train step or data pipeline, which `training.build` would
@@ -16,11 +16,18 @@ from toolkit.training import state as state_lib
 from toolkit.training.checkpoint import open_latest
 
 
-def restore_params(config: ml_collections.ConfigDict, checkpoint_path: str, devices=None):
-  """The parameters of `checkpoint_path`'s latest step, restored straight into the shardings
-  that `config`'s mesh and rules give them. Returns (params, model config, mesh, rules, step)."""
-  manager, step = open_latest(checkpoint_path)
+def restore_params(config: ml_collections.ConfigDict, checkpoint_path: str, devices=None,
+                   step: int | None = None):
+  """The parameters of `checkpoint_path`'s step `step` (default: the latest), restored straight
+  into the shardings that `config`'s mesh and rules give them. Returns (params, model config,
+  mesh, rules, step)."""
+  manager, latest = open_latest(checkpoint_path)
   try:
+    if step is None:
+      step = latest
+    elif step not in manager.all_steps():
+      raise ConfigError(f"step {step}: {manager.directory} holds steps "
+                        f"{', '.join(map(str, manager.all_steps()))}; give one of them")
     spec = config_lib.resolve(config, devices)
     _refuse_split_cache(spec)
     checkpoint.check_compatible(manager.saved_config(step), spec.model,

@@ -18,7 +18,9 @@ REPO = pathlib.Path(__file__).resolve().parents[3]
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
   path = tmp_path_factory.mktemp("lm")
-  training.run(tiny_config(steps=2), str(path))
+  config = tiny_config(steps=2)
+  config.train.checkpoint_every = 1  # steps 1 and 2: an earlier step to restore
+  training.run(config, str(path))
   return path
 
 
@@ -104,3 +106,22 @@ def test_params_only_restore_equals_the_full_state_restore(workdir):
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state["params"])):
     assert a.sharding == b.sharding
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_an_earlier_step_restores_and_a_missing_one_names_the_steps(workdir):
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from toolkit.training import checkpoint  # pylint: disable=g-import-not-at-top
+  params, *_, step = restore.restore_params(tiny_config(), str(workdir), step=1)
+  latest, *_, latest_step = restore.restore_params(tiny_config(), str(workdir))
+  assert (step, latest_step) == (1, 2)
+  setup = training.build(tiny_config())
+  manager = checkpoint.Checkpoints(checkpoint.checkpoints_dir(str(workdir)), read_only=True)
+  state, _ = manager.restore(1, setup.layout.abstract)
+  manager.close()
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state["params"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert any(not np.array_equal(np.asarray(a), np.asarray(c))
+             for a, c in zip(jax.tree.leaves(params), jax.tree.leaves(latest)))
+  with pytest.raises(ConfigError, match=r"^step 7: .* holds steps 1, 2; give one of them$"):
+    restore.restore_params(tiny_config(), str(workdir), step=7)
