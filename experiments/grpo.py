@@ -12,14 +12,15 @@ The base is experiments/sft.py's full fine-tune of the demo's model (runs/lm_cpu
 demo`'s checkpoint exported) stopped before it has learned the task: GRPO learns from the
 completions of a group that score above the others, so the model must answer some prompts
 right to begin with, and not most. Where it learns moves with the CPU's rounding: at step 240
-of its 400 this CPU answered 39.8 % of the held-out prompts and 62.9 % at 250; another (AVX-512
-FP16, the demo's layers then scanned) 25.4 % at step 180 and 66.4 % at 200. Score it with
+of its 400 a CPU with AVX-512 FP16 answered 39.8 % of the held-out prompts and 62.9 % at 250;
+with the demo's layers scanned, 43.4 % at step 190 and 66.4 % at 200 (both in the test's
+process, 8 simulated devices; the commands above with one CPU device: 80.5 % at 240). Score it with
 scripts/chat_exact_match.py and stop earlier when it is above 45 %. The documented result
 (tests/test_documented_results.py, from the last of steps 160 to 260 of its 400, every 10, whose
 held-out exact match is at most 45 %): held-out exact match, answered greedily, from <= 45 %
 before to >= 50 % after 200 steps, and at least 20 points above where it started, on each of
-seeds 0, 1, 2 (measured from 39.8 %: 73.4, 78.5 and 68.0 % after; from 25.4 % on the other
-CPU: 93.4, 80.5 and 84.4 %; ~1.2-1.5 min a run on 2 cores, ~40 % of it sampling the rollouts).
+seeds 0, 1, 2 (measured from 39.8 %: 73.4, 78.5 and 68.0 % after; scanned from 43.4 %: 78.9,
+91.0 and 99.2 %; ~1.1-1.4 min a run on 2 cores, ~40 % of it sampling the rollouts).
 The eval line gives the held-out prompts' mean reward and the share solved.
 
 Variants after the colon, comma separated:
