@@ -34,6 +34,11 @@ class StopSignal:
   as it does at once on a third signal, saving nothing more: the checkpoints already
   committed stay as they are (a save in flight never commits). `exit` is os._exit but for
   tests.
+
+  Python runs a handler once for however many of a signal land while the main thread is in
+  C (a step, a save), so Ctrl-C twice during a step would count once: each delivery is
+  counted from the bytes the interpreter's C-level handler writes to the wakeup fd
+  (`_Deliveries`).
   """
 
   def __init__(self, exit: Callable[[int], None] = os._exit,  # pylint: disable=redefined-builtin,protected-access
@@ -45,6 +50,7 @@ class StopSignal:
     self._signals = 0
     self._exit = exit
     self._grace_s = grace_s
+    self._deliveries = None
 
   def __enter__(self):
     signals = (signal.SIGINT,) if self.multiprocess else (signal.SIGTERM, signal.SIGINT)
@@ -53,10 +59,19 @@ class StopSignal:
         self._previous[sig] = signal.signal(sig, self._handle)
       except ValueError:  # not the main thread: leave signals alone
         pass
+    if self._previous:
+      self._deliveries = _Deliveries.install()
     return self
 
   def _handle(self, signum, frame):
     del frame
+    # One call may stand for several deliveries; a later call may find its own delivery
+    # already counted by an earlier one (then it has nothing left to do).
+    count = 1 if self._deliveries is None else self._deliveries.take(signum)
+    for _ in range(count):
+      self._handle_one(signum)
+
+  def _handle_one(self, signum) -> None:
     self._signals += 1
     name = signal.Signals(signum).name
     if self._signals == 2:
@@ -93,6 +108,55 @@ class StopSignal:
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
+    if self._deliveries is not None:
+      self._deliveries.uninstall()
+
+
+class _Deliveries:
+  """Counts the deliveries of each signal: for every delivery to a signal with a Python
+  handler, the interpreter's C-level handler writes the signal's number as one byte to the
+  wakeup fd (`signal.set_wakeup_fd`), before the Python handler runs."""
+
+  def __init__(self, read: int, write: int, previous: int):
+    self._read, self._write, self._previous = read, write, previous
+    self._counts: dict[int, int] = {}
+
+  @classmethod
+  def install(cls) -> _Deliveries | None:
+    """The counter, or None where the wakeup fd is someone else's (an event loop's) or cannot
+    be set (not the main thread): then each handler call counts as one delivery."""
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    try:
+      previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    except ValueError:
+      previous = None
+    if previous != -1:
+      if previous is not None:
+        signal.set_wakeup_fd(previous)
+      os.close(read)
+      os.close(write)
+      return None
+    return cls(read, write, previous)
+
+  def take(self, signum: int) -> int:
+    """The deliveries of `signum` not yet taken (the others are kept for their handlers)."""
+    while True:
+      try:
+        data = os.read(self._read, 512)
+      except BlockingIOError:
+        break
+      if not data:
+        break
+      for number in data:
+        self._counts[number] = self._counts.get(number, 0) + 1
+    return self._counts.pop(signum, 0)
+
+  def uninstall(self) -> None:
+    signal.set_wakeup_fd(self._previous)
+    os.close(self._read)
+    os.close(self._write)
 
 
 def _say(line: str) -> None:

@@ -4,9 +4,11 @@ GRACE_S, a third at once, each with one line and no traceback; Ctrl-C outside th
 (start-up, compile) is one line too."""
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -38,6 +40,30 @@ def test_a_second_signal_hurries_the_stop_and_a_third_exits_at_once(capsys):
       "committed checkpoints are intact",
       "received SIGINT a third time: exiting now without saving; committed checkpoints are "
       "intact"]
+
+
+def test_two_signals_while_the_main_thread_is_in_c_count_as_two(capsys):
+  """Python runs the handler once for both (the failure seen in CI: a step blocking in C);
+  the second must still hurry the stop."""
+  exits = []
+
+  def send_twice():
+    for _ in range(2):
+      time.sleep(0.05)  # the main thread is in its sleep by then (it has 0.5 s)
+      signal.pthread_kill(sender.ident, signal.SIGINT)  # to this thread: the main one sleeps
+
+  with stop_signal.StopSignal(exit=exits.append, grace_s=30) as stop:
+    sender = threading.Thread(target=send_twice)
+    sender.start()
+    # In C without the GIL: both signals are delivered and no handler runs meanwhile.
+    ctypes.CDLL(None).usleep(500_000)
+    sender.join(timeout=30)
+    assert stop.should_stop(1) and stop.urgent
+  assert exits == []
+  assert capsys.readouterr().out.splitlines() == [
+      "received SIGINT: finishing this step, then saving",
+      "received SIGINT again: saving this step and exiting; in 30 s (or at the next signal) "
+      "without saving"]
 
 
 def test_the_handlers_before_the_loop_come_back_after_it():
