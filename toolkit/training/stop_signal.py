@@ -53,14 +53,14 @@ class StopSignal:
     self._deliveries = None
 
   def __enter__(self):
+    # The counter first: a signal our handler sees after it was installed has its byte.
+    self._deliveries = _Deliveries.install()
     signals = (signal.SIGINT,) if self.multiprocess else (signal.SIGTERM, signal.SIGINT)
     for sig in signals:
       try:
         self._previous[sig] = signal.signal(sig, self._handle)
       except ValueError:  # not the main thread: leave signals alone
         pass
-    if self._previous:
-      self._deliveries = _Deliveries.install()
     return self
 
   def _handle(self, signum, frame):
