@@ -65,6 +65,11 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   echo "error: $VENV has no python: run bash scripts/ci_newest.sh install first" >&2
   exit 1
 fi
+# Transparent huge pages for malloc, as the Makefile's commands have them (scripts/bench_hugepages.py).
+case ":${GLIBC_TUNABLES:-}" in
+  *:glibc.malloc.hugetlb=*) ;;
+  *) export GLIBC_TUNABLES="${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.hugetlb=1" ;;
+esac
 start=$SECONDS
 status=0
 "$VENV/bin/python" -m pytest -n 2 -m smoke --durations=10 ${PYTEST_ARGS:-} || status=$?
