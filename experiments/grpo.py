@@ -13,14 +13,17 @@ demo`'s checkpoint exported) stopped before it has learned the task: GRPO learns
 completions of a group that score above the others, so the model must answer some prompts
 right to begin with, and not most. Where it learns moves with the CPU's rounding: at step 240
 of its 400 a CPU with AVX-512 FP16 answered 39.8 % of the held-out prompts and 62.9 % at 250;
-with the demo's layers scanned, 43.4 % at step 190 and 66.4 % at 200 (both in the test's
-process, 8 simulated devices; the commands above with one CPU device: 80.5 % at 240). Score it with
+with the demo's layers scanned, 43.4 % at step 190 and 66.4 % at 200 (both in a process of 8
+simulated devices, the fine-tune on one; the commands above, with one CPU device: 80.5 % at
+240). With one CPU device, as the test runs it since 2026-12-06, an AMD EPYC (Zen 5) answered
+32.8 % at step 190 and 55.5 % at 200. Score it with
 scripts/chat_exact_match.py and stop earlier when it is above 45 %. The documented result
 (tests/test_documented_results.py, from the last of steps 160 to 260 of its 400, every 10, whose
 held-out exact match is at most 45 %): held-out exact match, answered greedily, from <= 45 %
 before to >= 50 % after 200 steps, and at least 20 points above where it started, on each of
 seeds 0, 1, 2 (measured from 39.8 %: 73.4, 78.5 and 68.0 % after; scanned from 43.4 %: 78.9,
-91.0 and 99.2 %; ~1.1-1.4 min a run on 2 cores, ~40 % of it sampling the rollouts).
+91.0 and 99.2 %; on the AMD EPYC from 32.8 %: 57.4, 57.0 and 57.8 %; ~1.1-1.4 min a run on 2
+cores, ~40 % of it sampling the rollouts).
 The eval line gives the held-out prompts' mean reward and the share solved.
 
 Variants after the colon, comma separated:

@@ -2,7 +2,7 @@
 GLIBC_TUNABLES=glibc.malloc.hugetlb=1).
 
   python scripts/bench_hugepages.py             # `make demo`'s run for 100 steps, 3 rounds
-  python scripts/bench_hugepages.py --quick     # 10 steps, 1 round: seconds
+  python scripts/bench_hugepages.py --quick     # the tiny LM, 10 steps, 1 round: seconds
 
 XLA:CPU maps a fresh buffer for a step's temporaries at every step, and the kernel then faults
 it in 4 KiB at a time, zeroing each page: on 2 cores about a third of the CPU LM's CPU time was
@@ -58,14 +58,17 @@ def train(config: str, steps: int, folder: str, hugepages: bool,
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--config", default="experiments/lm.py:cpu")
+  parser.add_argument("--config", default=None, help="default: experiments/lm.py:cpu, "
+                      "with --quick experiments/lm.py:tiny")
   parser.add_argument("--steps", type=int, default=100)
   parser.add_argument("--rounds", type=int, default=3)
-  parser.add_argument("--quick", action="store_true", help="10 steps, 1 round")
+  parser.add_argument("--quick", action="store_true", help="the tiny LM, 10 steps, 1 round")
   parser.add_argument("--timeout_s", type=float, default=900.0)
   args = parser.parse_args()
   if args.quick:
     args.steps, args.rounds = 10, 1
+  if args.config is None:
+    args.config = "experiments/lm.py:" + ("tiny" if args.quick else "cpu")
   if args.steps < 1 or args.rounds < 1:
     parser.error("--steps and --rounds must be at least 1")
   rows = []

@@ -274,12 +274,14 @@ with open(sys.argv[3], "w") as f:
 def call(target: str, *args, timeout: float, env: Mapping[str, str] | None = None):
   """`module:function(*args)` run in a new process (forked as `run` does), for work that needs
   another environment than this process's (XLA_FLAGS, say): JSON-able arguments in, its
-  JSON-able result out. Fails with the process's output when it does not return one."""
+  JSON-able result out. Fails with the process's output when it does not return one; else
+  prints its standard output (pytest shows it with -s, or -rP)."""
   with tempfile.TemporaryDirectory() as folder:
     out = os.path.join(folder, "result.json")
     done = run(code=_CALL, args=[target, json.dumps(args), out], env=env, timeout=timeout)
     if done.returncode != 0 or not os.path.exists(out):
       raise AssertionError(f"{target} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+    print(done.stdout, end="", flush=True)
     with open(out) as f:
       return json.load(f)
 
