@@ -38,12 +38,16 @@ def train(config: str, steps: int, folder: str, hugepages: bool,
   env["GLIBC_TUNABLES"] = ":".join(tunables + ([SETTING] if hugepages else []))
   workdir = os.path.join(folder, "run")
   started = time.perf_counter()
-  result = subprocess.run(
-      [sys.executable, "-m", "toolkit.train", f"--config={config}", f"--workdir={workdir}",
-       f"--compilation_cache={os.path.join(folder, 'cache')}", f"--config.train.steps={steps}",
-       f"--config.train.eval_every={steps}", f"--config.train.checkpoint_every={steps}",
-       "--config.train.sample_tokens=0"], env=env, capture_output=True, text=True,
-      timeout=timeout_s, check=False)
+  command = [sys.executable, "-m", "toolkit.train", f"--config={config}", f"--workdir={workdir}",
+             f"--compilation_cache={os.path.join(folder, 'cache')}",
+             f"--config.train.steps={steps}", f"--config.train.eval_every={steps}",
+             f"--config.train.checkpoint_every={steps}", "--config.train.sample_tokens=0"]
+  try:
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s,
+                            check=False)
+  except subprocess.TimeoutExpired:
+    raise SystemExit(f"error: the training run did not end within --timeout_s={timeout_s:.0f} "
+                     f"s; give it more") from None
   wall = time.perf_counter() - started
   if result.returncode != 0:
     raise SystemExit(f"error: the training run exited {result.returncode}:\n"
@@ -87,10 +91,13 @@ def main() -> None:
       raise SystemExit(f"error: the final held-out losses differ: {loss0!r} without huge "
                        f"pages, {loss1!r} with them")
   median = lambda f: statistics.median(f(r) for r in rows)
-  print(f"median: steps {median(lambda r: r[False][1]):.1f} s -> {median(lambda r: r[True][1]):.1f} s "
+  steps = [median(lambda r, h=h: r[h][1]) for h in (False, True)]
+  walls = [median(lambda r, h=h: r[h][0]) for h in (False, True)]
+  print(f"median: steps {steps[0]:.1f} s -> {steps[1]:.1f} s "
         f"(ratio {median(lambda r: r[True][1] / r[False][1]):.2f}), whole run "
-        f"{median(lambda r: r[False][0]):.1f} s -> {median(lambda r: r[True][0]):.1f} s "
+        f"{walls[0]:.1f} s -> {walls[1]:.1f} s "
         f"(ratio {median(lambda r: r[True][0] / r[False][0]):.2f})")
+
 
 if __name__ == "__main__":
   main()
