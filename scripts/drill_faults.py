@@ -1,7 +1,7 @@
 """Fault drill (issue 32): a supervised CPU job with one crash and one hang against the same job
 without faults, what each failure cost, and the goodput of both (the table in docs/pods.md).
 
-  python scripts/drill_faults.py                # 200 steps, 2 processes x 4 devices: ~2 minutes
+  python scripts/drill_faults.py                # 200 steps, 2 processes x 4 devices: ~3 minutes
   python scripts/drill_faults.py --steps=60 --keep=runs/drill   # shorter; keeps both jobs
 
 Both jobs are `toolkit.supervise`'s Supervisor running experiments/lm.py:tiny, the workdir
@@ -13,7 +13,7 @@ copy on process 0's host), and SIGSTOPped past 70 % (a hang: process 0 waits in 
 until its watchdog ends it after --hang_timeout_s). Each job prints one row: wall time,
 attempts, seconds waiting out hangs, seconds restarting and restoring, steps trained again
 (toolkit.supervise's record), and its goodput: the job's steps at the last attempt's step time
-over the job's wall time. Exits 1 when a fault did not happen
+over the job's wall time. Exits 1 when the clean job failed, a fault did not happen
 or restart as planned, or the faulted job's losses differ from the clean one's (the same mesh:
 bitwise). With --keep=DIR both jobs stay in DIR: their workdirs (`clean`, `faulted`: metrics.jsonl,
 supervisor.jsonl, checkpoints), local tiers (`*-shm`) and whole output (`clean.log`,
@@ -44,9 +44,16 @@ _PROCESSES = flags.DEFINE_integer("processes", 2, "processes of each job")
 _DEVICES = flags.DEFINE_integer("devices_per_process", 4, "simulated CPU devices per process")
 _CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 50, "workdir checkpoint interval")
 _LOCAL_EVERY = flags.DEFINE_integer("local_every", 10, "local tier interval")
-# Under the CPU collectives' own 5 s timeout (toolkit/pod/distributed.py), which would end a
-# process waiting on a stopped peer as a crash first; accelerators have no such timeout.
-_HANG_TIMEOUT_S = flags.DEFINE_float("hang_timeout_s", 3.0, "train.hang_timeout_s")
+# The longest wait without progress on a quiet machine was ~1 s (a step of this 2-process job
+# waited on in polls, a local save); on the loaded CI machine 3 s once ended the clean job as a
+# hang. A stopped peer must end as a hang (process 0's watchdog), so the processes' other waits
+# on a silent peer are longer here: the CPU collectives' timeout (toolkit/pod/distributed.py, 5 s
+# by default; accelerators have none) and the coordination service's heartbeat timeout (10 s).
+_HANG_TIMEOUT_S = flags.DEFINE_float("hang_timeout_s", 6.0, "train.hang_timeout_s")
+_PEER_TIMEOUT_S = flags.DEFINE_integer(
+    "peer_timeout_s", 30, "how long both jobs' processes wait on a silent peer: the CPU "
+    "collectives' timeout (XLA's --xla_cpu_collective_timeout_seconds, unless XLA_FLAGS sets "
+    "it) and toolkit.train's --heartbeat_timeout; above --hang_timeout_s")
 _TIMEOUT_S = flags.DEFINE_float("timeout_s", 900.0, "deadline for each job")
 _KEEP = flags.DEFINE_string("keep", "", "a new folder to keep both jobs in (workdirs, local "
                             "tiers, output); by default a temporary one, removed at the end")
@@ -63,7 +70,8 @@ class Job:
             "--config.train.sample_tokens=0", f"--workdir={workdir}",
             f"--config.train.local_checkpoint_dir={local}",
             f"--config.train.local_checkpoint_every={_LOCAL_EVERY.value}",
-            f"--config.train.hang_timeout_s={_HANG_TIMEOUT_S.value}"]
+            f"--config.train.hang_timeout_s={_HANG_TIMEOUT_S.value}",
+            f"--heartbeat_timeout={_PEER_TIMEOUT_S.value}"]
     self.supervisor = supervisor_lib.Supervisor(
         _PROCESSES.value, _DEVICES.value, args, restart_delay_s=1.0, grace_s=2.0,
         out=io.StringIO(), err=io.StringIO())
@@ -148,6 +156,15 @@ def from_the_peer_copy(job: Job, saved: int) -> str | None:
 def main(argv: list[str]) -> int:
   del argv
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if _PEER_TIMEOUT_S.value <= _HANG_TIMEOUT_S.value:
+    print(f"error: --peer_timeout_s={_PEER_TIMEOUT_S.value} must exceed "
+          f"--hang_timeout_s={_HANG_TIMEOUT_S.value:g} (a stopped peer must end as a hang)",
+          file=sys.stderr)
+    return 2
+  flag = "--xla_cpu_collective_timeout_seconds"
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if flag not in xla_flags:  # the processes' distributed.initialize keeps it
+    os.environ["XLA_FLAGS"] = f"{xla_flags} {flag}={_PEER_TIMEOUT_S.value}".strip()
   rows, results = [], {}
   if _KEEP.value and os.path.exists(_KEEP.value) and os.listdir(_KEEP.value):
     print(f"error: --keep={_KEEP.value} is not empty; name a new folder", file=sys.stderr)
@@ -174,14 +191,17 @@ def main(argv: list[str]) -> int:
                       if l.startswith("[supervise]") or "error:" in l))
   print(f"\n{_STEPS.value} steps, {_PROCESSES.value} processes x {_DEVICES.value} devices, "
         f"workdir every {_CHECKPOINT_EVERY.value}, local tier every {_LOCAL_EVERY.value}, "
-        f"hang_timeout_s {_HANG_TIMEOUT_S.value:g}\n")
+        f"hang_timeout_s {_HANG_TIMEOUT_S.value:g}, peer_timeout_s {_PEER_TIMEOUT_S.value}\n")
   print("| job | wall s | attempts | waiting out hangs s | restarting and restoring s | "
         "steps trained again | goodput |\n|---|---|---|---|---|---|---|")
   print("\n".join(rows))
   same = results["faulted"]["losses"] == results["clean"]["losses"]
   causes = results["faulted"]["summary"]["causes"]
+  clean_causes = results["clean"]["summary"]["causes"]
   print(f"\nfaulted job's losses equal the clean job's, bitwise: {same}")
   problem = results["faulted"]["problem"]
+  if clean_causes:
+    problem = "; ".join(filter(None, [problem, f"the clean job failed too: {clean_causes}"]))
   if not same or causes != ["crash", "hang"] or problem:
     print(f"error: the drill did not go as planned (failures {causes}, losses equal: {same}"
           f"{'; ' + problem if problem else ''})")

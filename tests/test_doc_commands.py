@@ -69,7 +69,7 @@ SKIP = {
     r"^python scripts/bench_\w+\.py\s*(#|$)": "a full benchmark (minutes); its --quick run "
                                                "is here",
     r"calibrate_cpu\.py\s+#": "the full calibration (~10 min); --quick is here",
-    r"drill_faults\.py\s+#": "the full drill (two 200-step pod jobs, ~2 min); --steps=60 runs "
+    r"drill_faults\.py\s+#": "the full drill (two 200-step pod jobs, ~3 min); --steps=60 runs "
                                "in tests/toolkit/pod/test_supervisor.py",
     r"drill_faults\.py --steps=60 --keep": "tests/toolkit/pod/test_supervisor.py runs it and "
                                             "checks the two jobs it keeps",

@@ -20,7 +20,7 @@ STEPS = 100  # the tiny model: 20-150 ms a step here
 TRAIN = ["--config=experiments/lm.py:tiny", f"--config.train.steps={STEPS}",
          "--config.train.checkpoint_every=10", "--config.train.log_every=1",
          "--config.train.eval_every=1000", "--config.train.sample_tokens=0"]
-DRILL_TIMEOUT_S = 600  # two jobs of ~35 s quiet, each with a deadline of 280 s (--timeout_s)
+DRILL_TIMEOUT_S = 600  # two jobs of ~35-45 s quiet, each with a deadline of 280 s (--timeout_s)
 
 
 def test_a_mistake_is_not_retried(tmp_path):
@@ -90,7 +90,7 @@ def test_a_crash_and_a_hang_are_restarted_and_the_losses_equal_an_uninterrupted_
   assert clean["causes"] == [] and clean["final"] == "finished", clean
   [record] = [json.loads(l) for l in (workdir / "supervisor.jsonl").read_text().splitlines()]
   assert record["causes"] == ["crash", "hang"] and record["final"] == "finished"
-  assert 3 <= record["hang_detection_s"] < 5  # the drill's train.hang_timeout_s=3, polled
+  assert 6 <= record["hang_detection_s"] < 8  # the drill's train.hang_timeout_s=6, polled
   # The last attempt's goodput line and record carry the job's lifetime: the same hang time
   # and steps trained again as the supervisor's record, a restart time at least its own.
   goodput = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()
@@ -120,6 +120,17 @@ def test_the_drill_refuses_a_folder_that_is_not_empty(tmp_path):
   assert done.stderr.strip().splitlines()[-1] == \
       f"error: --keep={tmp_path / 'kept'} is not empty; name a new folder", done.stderr
   assert os.listdir(tmp_path / "kept") == ["notes.txt"]
+
+
+def test_the_drill_refuses_a_peer_timeout_within_the_hang_timeout(tmp_path):
+  done = preloaded.run(script="scripts/drill_faults.py",
+                       args=["--peer_timeout_s=6", f"--keep={tmp_path / 'kept'}"],
+                       env=_shell_env(), timeout=60)
+  assert done.returncode == 2
+  assert done.stderr.strip().splitlines()[-1] == (
+      "error: --peer_timeout_s=6 must exceed --hang_timeout_s=6 (a stopped peer must end as a "
+      "hang)"), done.stderr
+  assert not (tmp_path / "kept").exists()
 
 
 def test_a_killed_host_is_named_before_the_peers_it_took_down():
