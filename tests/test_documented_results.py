@@ -277,9 +277,20 @@ def _as_a_user_runs(name: str, *args, devices: int | None = None):
   generation, as a user's run has it (the suite turns LLVM's optimizations off, which makes
   these long runs' steps ~1.8x slower; tests/tiny_runs.py), and with `devices` CPU devices
   instead of the suite's 8 where the documented commands train on one device (their step took
-  0.85x the time there, quiet, with 2 XLA threads instead of 8 on 2 cores)."""
-  return preloaded.call(f"tests.test_documented_results:{name}", *args,
+  0.85x the time there, quiet, with 2 XLA threads instead of 8 on 2 cores). The process has
+  the compilation cache on, as a user's command has by default (`as_a_user`)."""
+  return preloaded.call("tests.test_documented_results:as_a_user", name, *args,
                         env=tiny_runs.default_codegen_env(devices), timeout=RUN_TIMEOUT_S)
+
+
+def as_a_user(name: str, *args):
+  """`name(*args)` in the process `_as_a_user_runs` starts, with JAX's persistent compilation
+  cache in the folder toolkit.train's --compilation_cache names by default (under
+  XDG_CACHE_HOME: the suite's own cache, tests/conftest.py): a run on the second and third seed
+  reads the programs of the first back, as a user's command run again does."""
+  from toolkit import runtime  # pylint: disable=g-import-not-at-top
+  runtime.enable_compilation_cache(runtime.default_cache_dir())
+  return globals()[name](*args)
 
 
 def demo_bits(workdir: str) -> dict[int, float]:
