@@ -37,6 +37,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from toolkit.pod import distributed  # noqa: E402  pylint: disable=wrong-import-position
 from toolkit.pod import supervisor as supervisor_lib  # noqa: E402  pylint: disable=wrong-import-position
 
 _STEPS = flags.DEFINE_integer("steps", 200, "steps of each job")
@@ -161,10 +162,8 @@ def main(argv: list[str]) -> int:
           f"--hang_timeout_s={_HANG_TIMEOUT_S.value:g} (a stopped peer must end as a hang)",
           file=sys.stderr)
     return 2
-  flag = "--xla_cpu_collective_timeout_seconds"
-  xla_flags = os.environ.get("XLA_FLAGS", "")
-  if flag not in xla_flags:  # the processes' distributed.initialize keeps it
-    os.environ["XLA_FLAGS"] = f"{xla_flags} {flag}={_PEER_TIMEOUT_S.value}".strip()
+  # Into the environment the processes inherit; their distributed.initialize keeps it.
+  distributed.bound_cpu_collectives(_PEER_TIMEOUT_S.value)
   rows, results = [], {}
   if _KEEP.value and os.path.exists(_KEEP.value) and os.listdir(_KEEP.value):
     print(f"error: --keep={_KEEP.value} is not empty; name a new folder", file=sys.stderr)

@@ -128,7 +128,7 @@ def _platform() -> str:
   return "cpu"
 
 
-def _bound_cpu_collectives(seconds: int) -> None:
+def bound_cpu_collectives(seconds: int) -> None:
   """Adds XLA's CPU collective timeout to XLA_FLAGS unless the user set one; read when the
   CPU backend starts, i.e. after this."""
   flags = os.environ.get("XLA_FLAGS", "")
@@ -196,7 +196,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       "flags" if environment is None else f"flags and {environment}")
 
   if _platform() == "cpu":
-    _bound_cpu_collectives(collective_timeout)
+    bound_cpu_collectives(collective_timeout)
   bind_address = None
   if coordinator_address is not None and _is_loopback(coordinator_address):
     # A job on one machine: keep the coordinator off the network (JAX binds to all interfaces).

@@ -68,11 +68,11 @@ def test_the_coordinator_stays_on_loopback_for_a_loopback_address(address, loopb
 
 def test_cpu_collectives_are_bounded_unless_the_user_chose(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-  distributed._bound_cpu_collectives(5)  # pylint: disable=protected-access
+  distributed.bound_cpu_collectives(5)
   assert os.environ["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=4 "
                                      "--xla_cpu_collective_timeout_seconds=5")
   monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_collective_timeout_seconds=60")
-  distributed._bound_cpu_collectives(5)  # pylint: disable=protected-access
+  distributed.bound_cpu_collectives(5)
   assert os.environ["XLA_FLAGS"] == "--xla_cpu_collective_timeout_seconds=60"
 
 
