@@ -82,6 +82,13 @@ def _flat(config: ml_collections.ConfigDict) -> dict:
 def varying_fields(configs: Sequence[ml_collections.ConfigDict]) -> list[str]:
   """The fields whose values differ between `configs`, refusing any that a population cannot
   hold: the error names the field and says whether it changes a shape."""
+  # The trials' init and per-trial values (init_std, LoRA alpha and dropout) are the language
+  # model's: a ViT population once failed with a KeyError deep in build. --mode=auto (runner.
+  # choose_mode) reads this error as "processes".
+  kind = configs[0].model.get("kind", "llama")
+  if kind != "llama":
+    raise ConfigError(f"population mode: model.kind={kind!r}: a population trains the language "
+                      f"model (model.kind='llama') only; run this sweep with --mode=processes")
   flats = [_flat(c) for c in configs]
   varying = sorted(k for k in flats[0] if any(f.get(k) != flats[0][k] for f in flats[1:]))
   for field in varying:

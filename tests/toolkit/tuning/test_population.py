@@ -1,11 +1,14 @@
 """Population training: K trials in one program equal K separate runs; what it refuses."""
+import types
+
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from experiments import vit
 from tests.tiny_runs import TOLERANCE, assert_trees_close, tiny_config, train_steps
-from toolkit.tuning import population, search
+from toolkit.tuning import population, runner, search
 from toolkit.errors import ConfigError
 
 STEPS = 6
@@ -79,6 +82,23 @@ def test_refuses_fields_that_are_not_values(field, value, why):
   with pytest.raises(ConfigError, match=rf"population mode: the trials differ in {field} .*{why}"
                                         r".*--mode=processes"):
     population.build(configs)
+
+
+def test_refuses_a_model_other_than_the_language_model_and_auto_runs_processes():
+  """A ViT's trials (model.kind='vit') are refused by name before anything is built, and a
+  sweep's --mode=auto falls back to processes with the reason in one line."""
+  base = vit.get_config("tiny")
+  configs = [search.apply(base, {"optimizer.learning_rate": lr}) for lr in (1e-3, 3e-3)]
+  with pytest.raises(ConfigError, match=r"population mode: model.kind='vit': a population trains "
+                                        r"the language model .* --mode=processes"):
+    population.build(configs)
+  lines = []
+  loaded = types.SimpleNamespace(configs=configs)
+  assert runner.choose_mode(loaded, "auto", lines.append) == "processes"
+  assert lines == ["processes mode: model.kind='vit': a population trains the language model "
+                   "(model.kind='llama') only; run this sweep with --mode=processes"]
+  with pytest.raises(ConfigError, match="model.kind='vit'"):
+    runner.choose_mode(loaded, "population", lines.append)
 
 
 def test_population_axis_size():
