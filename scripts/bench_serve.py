@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import queue
 import re
 import shlex
@@ -50,6 +51,10 @@ import urllib.parse
 import aiohttp
 import numpy as np
 from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import serve_report  # noqa: E402  pylint: disable=wrong-import-position
+from serve_report import STATS  # noqa: E402  pylint: disable=wrong-import-position
 
 DEFAULT_SERVE = ("--config=experiments/lm.py:cpu --checkpoint=runs/lm_cpu --batch_size=16 "
                  "--cache_length=256")
@@ -86,9 +91,9 @@ _PLOT = flags.DEFINE_string("plot", "", "Write latency vs request rate as a PNG 
 _WARM = flags.DEFINE_integer("warm_tokens", 16, "long_prompt: chunks every running request "
                              "streams before the long prompt is sent; the ITL before it counts "
                              "the gaps after the first half of these.", lower_bound=2)
-_QUICK = flags.DEFINE_bool("quick", False, "Seconds: 8 short requests at 2 rates.")
+_QUICK = flags.DEFINE_bool("quick", False, "Seconds: 8 short requests at 2 rates (long_prompt: "
+                           "3 running requests of 40 tokens, a 32-token prompt).")
 
-STATS = ("ttft", "tpot", "itl", "e2e")
 QUANTILES = (("p50", 50), ("p90", 90), ("p99", 99))
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
 
@@ -99,6 +104,11 @@ def _apply_quick() -> None:
                       ("prefix_len", 16), ("long_prompt_len", 32), ("warm_tokens", 4)):
     if not flags.FLAGS[name].present:
       flags.FLAGS[name].value = value
+  if _WORKLOAD.value == "long_prompt" and not flags.FLAGS["output_len"].present:
+    # The running requests must all have streamed --warm_tokens while none has ended: their
+    # starts can be tens of engine steps apart on a busy machine (a 12-token output ended
+    # before the last one had streamed 4). 16 + 40 tokens fit --cache_length=64.
+    flags.FLAGS["output_len"].value = ["40"]
 
 
 def length_range(values: list[str], flag: str) -> tuple[int, int]:
@@ -239,6 +249,23 @@ async def run_rate(url: str, bodies: list[dict], rate: float, concurrency: int,
   return summarize(records, rate, concurrency)
 
 
+def warm_up_failure(tasks: list[asyncio.Task], counts: list[int], warm_tokens: int,
+                    timeout_s: float) -> str:
+  """The error line when the running requests did not all stream `warm_tokens` chunks: the
+  first that failed or ended, else the deadline."""
+  for i, task in enumerate(tasks):
+    if not task.done() or task.cancelled():
+      continue
+    record = task.result()
+    if record["error"]:
+      return f"error: running request {i} of {len(tasks)} failed: {record['error']}"
+    return (f"error: running request {i} of {len(tasks)} ended after {len(record['chunks'])} "
+            f"tokens, before every running request had streamed {warm_tokens} (the fewest: "
+            f"{min(counts)}); give a longer --output_len or fewer --warm_tokens")
+  return (f"error: the running requests did not all stream {warm_tokens} tokens within "
+          f"{timeout_s:.0f} s (--timeout); the fewest streamed {min(counts)}")
+
+
 async def run_long_prompt(url: str, running: list[dict], long_body: dict) -> dict:
   """The running requests stream; once each has --warm_tokens chunks the long prompt is sent.
   ITL of the running requests before it arrived vs while it was prefilled."""
@@ -259,8 +286,9 @@ async def run_long_prompt(url: str, running: list[dict], long_body: dict) -> dic
                        return_when=asyncio.FIRST_COMPLETED)
     if not warm.is_set():
       waiting.cancel()
-      raise SystemExit(f"error: the running requests did not all stream {warm_tokens} tokens "
-                       f"within {_TIMEOUT.value:.0f} s (did they fail, or end too soon?)")
+      for task in tasks:
+        task.cancel()  # before the session closes their connections under them
+      raise SystemExit(warm_up_failure(tasks, counts, warm_tokens, _TIMEOUT.value))
     long_record = await stream_request(session, url, long_body, _TIMEOUT.value)
     records = await asyncio.wait_for(asyncio.gather(*tasks), _TIMEOUT.value)
   if not long_record["ok"]:
@@ -334,17 +362,6 @@ def local_url(url: str) -> str:
   return url.rstrip("/")
 
 
-def _jsonable(value):
-  """inf as "inf": JSON has no infinity."""
-  if isinstance(value, float) and math.isinf(value):
-    return "inf"
-  if isinstance(value, dict):
-    return {k: _jsonable(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_jsonable(v) for v in value]
-  return value
-
-
 async def served_model(url: str) -> dict:
   """The first model of GET /v1/models."""
   try:
@@ -354,56 +371,6 @@ async def served_model(url: str) -> dict:
   except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError) as e:
     raise SystemExit(f"error: GET {url}/v1/models failed ({type(e).__name__}: {e}); is an "
                      f"OpenAI-compatible server running there?") from None
-
-
-# --- the report ----------------------------------------------------------------------------
-
-def _cell(stats: dict) -> str:
-  return " / ".join("-" if stats[k] is None else f"{stats[k]:.1f}"
-                    for k in ("mean", "p50", "p90", "p99"))
-
-
-def table(runs: list[dict]) -> str:
-  """A Markdown table: one row per run, latencies as mean / p50 / p90 / p99 in ms."""
-  header = ["rate (req/s)", "concurrency", "completed", "failed", "req/s", "output tok/s",
-            "total tok/s", *(f"{name.upper()} ms mean / p50 / p90 / p99" for name in STATS)]
-  rows = [[f"{run['rate']:g}", str(run["max_concurrency"] or "-"), str(run["completed"]),
-           str(run["failed"]), f"{run['request_throughput']:.2f}",
-           f"{run['output_throughput']:.1f}", f"{run['total_token_throughput']:.1f}",
-           *(_cell(run[f"{name}_ms"]) for name in STATS)] for run in runs]
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
-def long_prompt_lines(run: dict) -> str:
-  ratio = run["itl_p99_ratio"]
-  return (f"long prompt of {run['long_prompt_len']} tokens: TTFT "
-          f"{run['long_prompt_ttft_ms']:.1f} ms; ITL of the {run['max_concurrency']} running "
-          f"requests (ms, mean / p50 / p90 / p99): before it {_cell(run['itl_before_ms'])}, "
-          f"while it is prefilled {_cell(run['itl_during_ms'])}; p99 ratio "
-          f"{'-' if ratio is None else f'{ratio:.2f}x'}")
-
-
-def plot(runs: list[dict], path: str, title: str) -> None:
-  """TTFT, TPOT, ITL and E2E (p50 and p99) against request rate; inf drawn after the rest."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  finite = [r["rate"] for r in runs if math.isfinite(r["rate"])]
-  at_inf = 2 * max(finite) if finite else 1.0
-  xs = [r["rate"] if math.isfinite(r["rate"]) else at_inf for r in runs]
-  figure, axes = plt.subplots(1, len(STATS), figsize=(4 * len(STATS), 3.5))
-  for axis, name in zip(axes, STATS):
-    for quantile, style in (("p50", "o-"), ("p99", "s--")):
-      ys = [r[f"{name}_ms"][quantile] for r in runs]
-      axis.plot(xs, [np.nan if y is None else y for y in ys], style, label=quantile)
-    axis.set(title=name.upper(), xlabel="request rate (req/s)", ylabel="ms")
-    axis.set_xticks(xs, [f"{r['rate']:g}" for r in runs])
-    axis.legend()
-  figure.suptitle(title)
-  figure.tight_layout()
-  figure.savefig(path, dpi=100)
-  plt.close(figure)
 
 
 # --- main ----------------------------------------------------------------------------------
@@ -446,7 +413,11 @@ def main(argv) -> None:
     _apply_quick()
   # The flags' mistakes before a server starts.
   length_range(_INPUT_LEN.value, "input_len")
-  length_range(_OUTPUT_LEN.value, "output_len")
+  output_len = length_range(_OUTPUT_LEN.value, "output_len")
+  if _WORKLOAD.value == "long_prompt" and _WARM.value >= output_len[1]:
+    raise SystemExit(f"error: --warm_tokens={_WARM.value}: the running requests stream "
+                     f"--output_len's MAX ({output_len[1]}) tokens each, so the long prompt "
+                     f"must come before that; give fewer --warm_tokens or a longer --output_len")
   parse_rates(_RATES.value)
   if _URL.value:
     local_url(_URL.value)
@@ -458,17 +429,17 @@ def main(argv) -> None:
     if server is not None:
       server.stop()
   runs = results["runs"]
-  print(table(runs), flush=True)
+  print(serve_report.table(runs), flush=True)
   if _WORKLOAD.value == "long_prompt":
-    print(long_prompt_lines(runs[0]), flush=True)
+    print(serve_report.long_prompt_lines(runs[0]), flush=True)
   for run in runs:
     for error in run["errors"]:
       print(f"failed request: {error}", file=sys.stderr)
   if _JSON.value:
     with open(_JSON.value, "w") as f:
-      json.dump(_jsonable(results), f, indent=2)
+      json.dump(serve_report.jsonable(results), f, indent=2)
   if _PLOT.value:
-    plot(runs, _PLOT.value, f"{results['config']['model']}, {_WORKLOAD.value} workload")
+    serve_report.plot(runs, _PLOT.value, f"{results['config']['model']}, {_WORKLOAD.value} workload")
   if any(run["failed"] for run in runs):
     sys.exit(1)
 
