@@ -105,9 +105,10 @@ def _apply_quick() -> None:
     if not flags.FLAGS[name].present:
       flags.FLAGS[name].value = value
   if _WORKLOAD.value == "long_prompt" and not flags.FLAGS["output_len"].present:
-    # The running requests must all have streamed --warm_tokens while none has ended: their
-    # starts can be tens of engine steps apart on a busy machine (a 12-token output ended
-    # before the last one had streamed 4). 16 + 40 tokens fit --cache_length=64.
+    # The running requests must all have streamed --warm_tokens while none has ended, and
+    # their starts can be many engine steps apart on a busy machine (in one CI run a request
+    # ended or failed first; likely a 12-token one, before the last had streamed 4).
+    # 16 + 40 tokens fit --cache_length=64.
     flags.FLAGS["output_len"].value = ["40"]
 
 
