@@ -250,23 +250,6 @@ async def run_rate(url: str, bodies: list[dict], rate: float, concurrency: int,
   return summarize(records, rate, concurrency)
 
 
-def warm_up_failure(tasks: list[asyncio.Task], counts: list[int], warm_tokens: int,
-                    timeout_s: float) -> str:
-  """The error line when the running requests did not all stream `warm_tokens` chunks: the
-  first that failed or ended, else the deadline."""
-  for i, task in enumerate(tasks):
-    if not task.done() or task.cancelled():
-      continue
-    record = task.result()
-    if record["error"]:
-      return f"error: running request {i} of {len(tasks)} failed: {record['error']}"
-    return (f"error: running request {i} of {len(tasks)} ended after {len(record['chunks'])} "
-            f"tokens, before every running request had streamed {warm_tokens} (the fewest: "
-            f"{min(counts)}); give a longer --output_len or fewer --warm_tokens")
-  return (f"error: the running requests did not all stream {warm_tokens} tokens within "
-          f"{timeout_s:.0f} s (--timeout); the fewest streamed {min(counts)}")
-
-
 async def run_long_prompt(url: str, running: list[dict], long_body: dict) -> dict:
   """The running requests stream; once each has --warm_tokens chunks the long prompt is sent.
   ITL of the running requests before it arrived vs while it was prefilled."""
@@ -289,7 +272,8 @@ async def run_long_prompt(url: str, running: list[dict], long_body: dict) -> dic
       waiting.cancel()
       for task in tasks:
         task.cancel()  # before the session closes their connections under them
-      raise SystemExit(warm_up_failure(tasks, counts, warm_tokens, _TIMEOUT.value))
+      raise SystemExit(serve_report.warm_up_failure(tasks, counts, warm_tokens,
+                                                    _TIMEOUT.value))
     long_record = await stream_request(session, url, long_body, _TIMEOUT.value)
     records = await asyncio.wait_for(asyncio.gather(*tasks), _TIMEOUT.value)
   if not long_record["ok"]:
@@ -440,7 +424,8 @@ def main(argv) -> None:
     with open(_JSON.value, "w") as f:
       json.dump(serve_report.jsonable(results), f, indent=2)
   if _PLOT.value:
-    serve_report.plot(runs, _PLOT.value, f"{results['config']['model']}, {_WORKLOAD.value} workload")
+    serve_report.plot(runs, _PLOT.value,
+                      f"{results['config']['model']}, {_WORKLOAD.value} workload")
   if any(run["failed"] for run in runs):
     sys.exit(1)
 

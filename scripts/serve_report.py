@@ -1,7 +1,9 @@
-"""The report of scripts/bench_serve.py: its Markdown table, the long_prompt workload's line,
-the JSON it writes and the latency plot (a module of its own beside the benchmark's requests)."""
+"""The report of scripts/bench_serve.py: its Markdown table, the long_prompt workload's line
+and its warm-up error, the JSON it writes and the latency plot (a module of its own beside the
+benchmark's requests, importable without its flags)."""
 from __future__ import annotations
 
+import asyncio
 import math
 
 import numpy as np
@@ -67,3 +69,19 @@ def plot(runs: list[dict], path: str, title: str) -> None:
   figure.savefig(path, dpi=100)
   plt.close(figure)
 
+
+def warm_up_failure(tasks: list[asyncio.Task], counts: list[int], warm_tokens: int,
+                    timeout_s: float) -> str:
+  """The error line when the running requests did not all stream `warm_tokens` chunks: the
+  first that failed or ended, else the deadline."""
+  for i, task in enumerate(tasks):
+    if not task.done() or task.cancelled():
+      continue
+    record = task.result()
+    if record["error"]:
+      return f"error: running request {i} of {len(tasks)} failed: {record['error']}"
+    return (f"error: running request {i} of {len(tasks)} ended after {len(record['chunks'])} "
+            f"tokens, before every running request had streamed {warm_tokens} (the fewest: "
+            f"{min(counts)}); give a longer --output_len or fewer --warm_tokens")
+  return (f"error: the running requests did not all stream {warm_tokens} tokens within "
+          f"{timeout_s:.0f} s (--timeout); the fewest streamed {min(counts)}")

@@ -1,7 +1,8 @@
 """scripts/bench_serve.py's long_prompt workload names why its running requests did not all
 warm up (one failed, one ended first, or the deadline), and refuses a --warm_tokens its
 running requests cannot reach before it contacts a server. The benchmark against a served
-model: tests/toolkit/inference/test_openai_api.py."""
+model: tests/toolkit/inference/test_openai_api.py. (bench_serve itself is not imported: its
+absl flags would clash with another script's in the same pytest process.)"""
 import asyncio
 import pathlib
 import subprocess
@@ -9,7 +10,7 @@ import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
-import bench_serve  # pylint: disable=g-import-not-at-top,wrong-import-position
+import serve_report  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def _record(chunks: int, error: str = "") -> dict:
@@ -23,7 +24,7 @@ def _failure(records: list[dict | None], counts: list[int]) -> str:
     tasks = [asyncio.create_task(finished(r) if r else asyncio.sleep(60)) for r in records]
     await asyncio.sleep(0)  # the finished ones finish
     try:
-      return bench_serve.warm_up_failure(tasks, counts, 4, 300.0)
+      return serve_report.warm_up_failure(tasks, counts, 4, 300.0)
     finally:
       for task in tasks:
         task.cancel()
