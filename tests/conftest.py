@@ -6,15 +6,15 @@ import os
 import shutil
 import tempfile
 
-# LLVM's optimizations off for the CPU programs the tests compile: compiling is most of the
-# suite's time (the tiny train step compiles in 2.2 s instead of 3.2), and the tests' programs
-# are tiny. XLA's own passes are the same and results agree to float32 rounding (the tiny
-# model's losses to the bit, the CPU demo's to 1e-7); the TPU compiles' reports are identical.
-# The generated code runs slower (the CPU demo's step ~1.8x), so the long documented runs use
-# XLA's defaults (tests/tiny_runs.py's default_codegen_env).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0").strip()
+# The suite's code generation (tests/codegen.py): LLVM's optimizations and XLA:CPU's MLIR fusion
+# emitters off, which halves what compiling the tests' tiny programs takes. Results agree to
+# float32 rounding; the long documented runs use XLA's defaults (tests/tiny_runs.py's
+# default_codegen_env).
+from tests import codegen  # noqa: E402  pylint: disable=wrong-import-position
+
+_flags = os.environ.get("XLA_FLAGS", "").split()  # a worker's has them from its parent already
+os.environ["XLA_FLAGS"] = " ".join(_flags + [
+    f for f in ("--xla_force_host_platform_device_count=8", *codegen.flags()) if f not in _flags])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The TPU compiles (tests marked tpu_aot) run with the overlap flags toolkit.compile sets: libtpu
 # reads LIBTPU_INIT_ARGS once, when the first of them loads it; flags already there stay.

@@ -7,8 +7,8 @@ interpreters), in a fresh folder that holds
 the repository's experiments/ and scripts/ and the input files the docs assume (text files,
 prompts, images), with the environment of a new CPU-only shell: no JAX_PLATFORMS and no
 device count in XLA_FLAGS (the commands choose the CPU and simulate their devices
-themselves); XLA_FLAGS holds only the suite's --xla_backend_optimization_level=0 (LLVM's
-optimizations off: the programs compile faster, tests/conftest.py). Changes
+themselves); XLA_FLAGS holds only the suite's code generation flags (LLVM's optimizations and
+XLA:CPU's fusion emitters off: the programs compile faster, tests/codegen.py). Changes
 to a command, all listed below: short step counts where a flag allows them (SHORTER,
 TRAIN_SHORT; no sample after training but in the default suite's commands, SAMPLE; the
 largest TPU compiles without the overlap flags, APPEND),
@@ -50,7 +50,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 import doc_commands  # noqa: E402  pylint: disable=wrong-import-position
 
-from tests import preloaded  # noqa: E402  pylint: disable=wrong-import-position
+from tests import codegen, preloaded  # noqa: E402  pylint: disable=wrong-import-position
 
 COMMAND_TIMEOUT_S = 420
 SERVER_START_TIMEOUT_S = 300
@@ -329,10 +329,10 @@ def _write_digits(path: pathlib.Path) -> None:
 
 def _env() -> dict[str, str]:
   """A new shell's environment: the venv's python first on PATH, nothing set for JAX but
-  LLVM's optimization level (see the module docstring)."""
+  the suite's code generation (see the module docstring)."""
   env = {k: v for k, v in os.environ.items()
          if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH")}
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+  env["XLA_FLAGS"] = " ".join(codegen.flags())
   env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
   return env
 

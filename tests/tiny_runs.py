@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from experiments import lm
-from tests import preloaded
+from tests import codegen, preloaded
 from toolkit import training
 from toolkit.training import checkpoint, dpo_reference, state as state_lib, step as step_lib
 
@@ -54,15 +54,14 @@ def assert_trees_close(actual, expected, **tolerance) -> None:
 
 
 def default_codegen_env(devices: int | None = None) -> dict[str, str]:
-  """The suite's environment (tests/conftest.py) with XLA's default LLVM optimizations, which
-  the suite turns off to compile faster: for a long run, whose time is its steps' (the CPU
-  demo's step is ~1.8x slower without them), and for results documented as a user's run
-  computes them. With `devices`, that many CPU devices instead of the suite's 8: a command
-  whose mesh has one device simulates none, and XLA:CPU then splits an op over the host's
-  cores (2 threads here) instead of the 8 threads of 8 devices."""
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_backend_optimization_level")
-           and not (devices and f.startswith("--xla_force_host_platform_device_count"))]
+  """The suite's environment (tests/conftest.py) with XLA's default code generation, which the
+  suite changes to compile faster (tests/codegen.py): for a long run, whose time is its steps'
+  (the CPU demo's step is ~1.8x slower without LLVM's optimizations), and for results
+  documented as a user's run computes them. With `devices`, that many CPU devices instead of
+  the suite's 8: a command whose mesh has one device simulates none, and XLA:CPU then splits an
+  op over the host's cores (2 threads here) instead of the 8 threads of 8 devices."""
+  flags = [f for f in codegen.without(os.environ.get("XLA_FLAGS", ""))
+           if not (devices and f.startswith("--xla_force_host_platform_device_count"))]
   if devices:
     flags.append(f"--xla_force_host_platform_device_count={devices}")
   return {**os.environ, "XLA_FLAGS": " ".join(flags)}

@@ -16,6 +16,7 @@ import ml_collections
 import pytest
 from jax._src import hardware_utils
 
+from tests import codegen
 from toolkit import runtime
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -153,7 +154,7 @@ def test_a_new_process_on_a_gpu_without_the_plugin_says_one_line_and_runs(tmp_pa
   (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
   env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
   env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO)])
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # no device count: a new shell's
+  env["XLA_FLAGS"] = " ".join(codegen.flags())  # the suite's; no device count: a new shell's
   done = subprocess.run([sys.executable, "-c", textwrap.dedent(COMMAND)], env=env, cwd=REPO,
                         capture_output=True, text=True, timeout=120)
   assert done.returncode == 0, done.stderr

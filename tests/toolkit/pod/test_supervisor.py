@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from tests import preloaded
+from tests import codegen, preloaded
 from tests.toolkit.pod import supervised
 from toolkit.pod import supervisor as supervisor_lib
 
@@ -106,9 +106,9 @@ def test_a_crash_and_a_hang_are_restarted_and_the_losses_equal_an_uninterrupted_
 
 def _shell_env() -> dict[str, str]:
   """The environment a user's shell gives the drill (the supervisor simulates each process's
-  devices itself), with the suite's LLVM setting (tests/conftest.py)."""
+  devices itself), with the suite's code generation (tests/codegen.py)."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  return env | {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+  return env | {"XLA_FLAGS": " ".join(codegen.flags())}
 
 
 def test_the_drill_refuses_a_folder_that_is_not_empty(tmp_path):
