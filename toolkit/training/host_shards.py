@@ -132,6 +132,7 @@ class HostShards:
     self._summaries.pop(step, None)
     paths, leaves = _flatten(state)
     fingerprints = integrity.start(state)
+    _meet(f"local checkpoint step {step}")
     moved = jax.device_put(leaves, [_rotated(x.sharding) for x in leaves])
     own, peer = _host_shards(leaves), _host_shards(moved)
     previous = (self.index - 1) % self.count
@@ -251,6 +252,8 @@ class HostShards:
       agree(damage, self, step)
     elif damage is not None:
       raise damage
+    if lacking:
+      _meet(f"local checkpoint step {step} from the peers' copies")
     leaves = [_assemble(x, own.get(path), peer.get(path), lacking) for path, x in
               zip(paths, abstract)]
     state = jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
@@ -287,6 +290,17 @@ def _next(device, by_process: list[list]):
   """The device in `device`'s place on the next process."""
   place = by_process[device.process_index].index(device)
   return by_process[(device.process_index + 1) % len(by_process)][place]
+
+
+def _meet(what: str) -> None:
+  """Every process passes a barrier before a collective that moves copies. The devices in their
+  rotated order are a new group, and Gloo (the collectives of CPU processes) gives a new group
+  30 s to assemble, hard-coded in XLA: on jaxlib 0.10.2 a process 40 s late stopped the other
+  with "Gloo context initialization failed", as the first local save of a 2-process pod did
+  under CI's load. The barrier is a collective over the group every step uses, which waits as
+  long as it takes (the hang watchdog bounds it), and it returns once each device has run what
+  was queued before it."""
+  multihost_utils.sync_global_devices(what)
 
 
 def _rotated(sharding) -> NamedSharding:

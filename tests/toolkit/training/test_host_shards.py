@@ -124,3 +124,28 @@ def test_steps_no_restart_can_use_are_set_aside_with_a_warning(saved):
       f"warning: local checkpoint step 3 cannot be used (written by 4 processes, this run has "
       f"1); moved it to {damaged}"]
   assert reopened.all_steps() == [] and sorted(os.listdir(damaged)) == ["2", "3"]
+
+
+def test_the_processes_meet_before_each_collective_that_moves_copies(saved, monkeypatch):
+  """The copies move over the devices in a new (rotated) order, a new group for Gloo, which
+  gives a group 30 s to assemble: every process first passes a barrier over the step's group
+  (host_shards._meet), on saving and on restoring from a peer's copy."""
+  tier, state = saved
+  calls = []
+  for name in ("_meet", "_rotated", "_assemble"):
+    real = getattr(host_shards, name)
+    monkeypatch.setattr(host_shards, name, lambda *a, _n=name, _f=real: (
+        calls.append(_n if _n != "_meet" else a[0]), _f(*a))[1])
+  arrays = len(jax.tree.leaves(state))
+  tier.save(4, state, CONFIG, {"step": 4, "seed": 0})
+  tier.wait()
+  assert calls == ["local checkpoint step 4"] + ["_rotated"] * arrays, calls
+  calls.clear()
+  tier.restore(4, _abstract(state))  # from the own copies: nothing moves between processes
+  assert calls == ["_assemble"] * arrays, calls
+  for name in ("own.json", "own.bin"):
+    os.remove(os.path.join(tier.directory, "4", name))
+  calls.clear()
+  tier.restore(4, _abstract(state))
+  moved = [c for c in calls if c != "_rotated"]  # (the peer copy's layout is checked first)
+  assert moved == ["local checkpoint step 4 from the peers' copies"] + ["_assemble"] * arrays, calls
