@@ -170,8 +170,9 @@ PRODUCERS = {
                              r"lm_cpu_hf,lora=16 \\\n\s*--workdir=runs/sft_repeat_lora"),
     "runs/sft_lora_peft": (r"toolkit\.convert export --workdir=runs/sft_repeat_lora "
                            r"--out=runs/sft_lora_peft --peft"),
-    "runs/sft_repeat_240": (r"toolkit\.train --config=experiments/sft\.py:cpu,base=runs/lm_cpu_hf "
-                            r"\\\n\s*--config\.train\.steps=240 [^\n]*--workdir=runs/sft_repeat_240"),
+    "runs/sft_repeat_240": (r"toolkit\.train --config=experiments/sft\.py:cpu,"
+                            r"base=runs/lm_cpu_hf \\\n\s*--config\.train\.steps=240 "
+                            r"[^\n]*--workdir=runs/sft_repeat_240"),
     "runs/sft_repeat_240_hf": (r"toolkit\.convert export --workdir=runs/sft_repeat_240 "
                                r"--out=runs/sft_repeat_240_hf"),
 }
