@@ -296,8 +296,8 @@ def _meet(what: str) -> None:
   """Every process passes a barrier before a collective that moves copies. The devices in their
   rotated order are a new group, and Gloo (the collectives of CPU processes) gives a new group
   30 s to assemble, hard-coded in XLA: on jaxlib 0.10.2 a process 40 s late stopped the other
-  with "Gloo context initialization failed", as the first local save of a 2-process pod did
-  under CI's load. The barrier is a collective over the group every step uses, which waits as
+  with "Gloo context initialization failed", the error that stopped the first local save of a
+  2-process pod under CI's load. The barrier is a collective over the group every step uses, which waits as
   long as it takes (the hang watchdog bounds it), and it returns once each device has run what
   was queued before it."""
   multihost_utils.sync_global_devices(what)
