@@ -15,7 +15,7 @@ ifeq ($(findstring glibc.malloc.hugetlb,$(GLIBC_TUNABLES)),)
 export GLIBC_TUNABLES := $(if $(GLIBC_TUNABLES),$(GLIBC_TUNABLES):)glibc.malloc.hugetlb=1
 endif
 
-.PHONY: demo test test-slow test-all test-newest bench clean
+.PHONY: demo test test-slow test-full test-newest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,22 +50,28 @@ demo: $(VENV)/.installed
 WORKERS ?= 2
 test: $(VENV)/.installed-test
 	@start=$$(date +%s); status=0; \
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope -m "not slow" --durations=15 \
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope -m "not slow and not full" --durations=15 \
 	  $(PYTEST_ARGS) || status=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s wall"; exit $$status
 
-# The tests marked slow: the long runs behind the documented results (the demo's loss, the ViT
-# recipe on three seeds, the sweep's trials) and the longer process tests. .ci/run runs
-# `make test` and then this. Two processes again, a module per process but for the documented
-# results and commands, whose long parts spread over both (tests/conftest.py).
+# The presubmit tier's slow tests (tests/tiers.py): each documented result on seed 0, one TPU
+# compile per code path, the process drills. .ci/run runs `make test` and then this. Two
+# processes again, a module per process but for the documented results and commands, whose long
+# parts spread over both (tests/conftest.py).
 test-slow: $(VENV)/.installed-test
 	@start=$$(date +%s); status=0; \
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope -m slow --durations=15 \
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope -m "slow and not full" --durations=15 \
 	  $(PYTEST_ARGS) || status=$$?; \
 	echo "make test-slow: $$(( $$(date +%s) - start )) s wall"; exit $$status
 
-test-all: $(VENV)/.installed-test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+# The full tier: every test, the presubmit tier's and the full tier's (every seed of every
+# documented result, every documented command and TPU compile). Run it before an issue whose
+# change touches a documented result's or command's code path ends (docs/testing.md).
+test-full: $(VENV)/.installed-test
+	@start=$$(date +%s); status=0; \
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --durations=15 \
+	  $(PYTEST_ARGS) || status=$$?; \
+	echo "make test-full: $$(( $$(date +%s) - start )) s wall"; exit $$status
 
 # The newest-deps job: Python 3.12 with the newest release of every dependency, the tests
 # marked smoke (train, resume, sharded == unsharded, Grain's batches, HF parity, a TPU compile,

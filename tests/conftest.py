@@ -76,6 +76,18 @@ def gcs_bucket(gcs_server):
 
 
 
+# --- the two tiers of proof (tests/tiers.py) ----------------------------------------------------
+from tests import tiers  # noqa: E402  pylint: disable=wrong-import-position
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: every collected test is checked
+def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
+  problems = tiers.check(items)
+  if problems:
+    raise pytest.UsageError("tests that break the tier rule (tests/tiers.py):\n"
+                            + "\n".join(map(str, problems)))
+
+
 # --- the suite in two processes (Makefile: pytest-xdist, --dist loadscope) --------------------
 # A module is one unit of work, as xdist's loadscope makes it: its tests share its fixtures.
 # Two modules are split, so that their long parts do not queue behind each other in one
