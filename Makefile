@@ -67,11 +67,16 @@ test-slow: $(VENV)/.installed-test
 # The full tier: every test, the presubmit tier's and the full tier's (every seed of every
 # documented result, every documented command and TPU compile). Run it before an issue whose
 # change touches a documented result's or command's code path ends (docs/testing.md).
+# It ends with its wall time against FULL_BUDGET_S, naming its five slowest tests when over.
+FULL_BUDGET_S ?= 4800
 test-full: $(VENV)/.installed-test
-	@start=$$(date +%s); status=0; \
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --durations=15 \
-	  $(PYTEST_ARGS) || status=$$?; \
-	echo "make test-full: $$(( $$(date +%s) - start )) s wall"; exit $$status
+	@start=$$(date +%s); log=$$(mktemp); \
+	{ $(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --durations=15 \
+	  $(PYTEST_ARGS) || echo $$? > $$log.rc; } 2>&1 | tee $$log; \
+	status=$$(cat $$log.rc 2>/dev/null || echo 0); wall=$$(( $$(date +%s) - start )); \
+	echo "make test-full: $$wall s wall"; \
+	$(BIN)/python .ci/budget.py "full (make test-full)" $$wall $(FULL_BUDGET_S) $$log; \
+	rm -f $$log $$log.rc; exit $$status
 
 # The newest-deps job: Python 3.12 with the newest release of every dependency, the tests
 # marked smoke (train, resume, sharded == unsharded, Grain's batches, HF parity, a TPU compile,

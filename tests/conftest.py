@@ -81,7 +81,8 @@ from tests import tiers  # noqa: E402  pylint: disable=wrong-import-position
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: every collected test is checked
-def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
+def pytest_collection_modifyitems(config, items):
+  config.stash[tiers.COLLECTED] = list(items)
   problems = tiers.check(items)
   if problems:
     raise pytest.UsageError("tests that break the tier rule (tests/tiers.py):\n"

@@ -23,8 +23,9 @@ The default suite (`make test`) runs a fast subset: every command that needs no 
 that once failed as pasted (the README's library snippet, `toolkit.generate --prompt`,
 `toolkit.serve` with its clients, training on `data=tokens`) with the bare train command and
 the inputs they read, about a minute and a half here. Every other command is marked slow
-(`make test-slow`, which CI runs after `make test`). A command that reads what another
-documented command makes (a checkpoint, shards, a Hugging Face folder: PRODUCERS) runs that
+(`make test-slow`, which CI runs after `make test`), and a slow command whose code path a
+presubmit test runs is full-tier (FULL: `make test-full` only; tests/tiers.py). A command
+that reads what another documented command makes (a checkpoint, shards, a Hugging Face folder: PRODUCERS) runs that
 command first when its output is missing, so each test stands alone whichever subset runs.
 docs/faults.md shows only the lines commands print (its blocks hold no command). The
 folder's compiled programs go to the user's compilation cache, as they would for a user, so
@@ -50,7 +51,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 import doc_commands  # noqa: E402  pylint: disable=wrong-import-position
 
-from tests import codegen, preloaded  # noqa: E402  pylint: disable=wrong-import-position
+from tests import codegen, preloaded, tiers  # noqa: E402  pylint: disable=wrong-import-position
 
 COMMAND_TIMEOUT_S = 420
 SERVER_START_TIMEOUT_S = 300
@@ -134,6 +135,72 @@ SLOW = {
     r"scripts/local_pod\.py": "two JAX processes; tests/toolkit/pod runs the pod simulator",
     r"scripts/bench_": "benchmarks, even --quick",
     r"scripts/seeds\.py": "three ViT runs",
+}
+# The full tier (tests/tiers.py): pattern -> (clause, the presubmit test that runs the command's
+# code path); the first pattern that matches wins. A TPU compile of a documented command is
+# full-tier where another presubmit compile covers its program (COMPILE: the step, decode, LoRA,
+# the mixture of experts and the pipeline each keep one); a command is full-tier where a
+# presubmit test runs the same module or script with its flags (COMMAND), on the documented
+# config or a smaller one. Commands no presubmit test runs (most benchmarks' --quick runs) stay
+# in the presubmit tier.
+_POD, _TUNING, _SERVING = "tests/toolkit/pod", "tests/toolkit/tuning", "tests/toolkit/inference"
+FULL = {
+    r"toolkit\.compile .*--decode|decode_cost\.py --model=7b": (
+        tiers.COMPILE, f"{_POD}/test_compile_decode.py::"
+                       "test_int8_weights_halve_the_7b_decode_step_on_v5e_8"),
+    r"toolkit\.compile .*moe\.py": (
+        tiers.COMPILE, f"{_POD}/test_compile.py::"
+                       "test_moe_ragged_all_to_all_exchange_compiles_for_tpu"),
+    r"toolkit\.compile .*--slices=2": (
+        tiers.COMPILE, f"{_POD}/test_compile.py::test_two_slices_flag_dcn_collectives"),
+    r"toolkit\.compile .*--topology=cpu": (
+        tiers.COMPILE, f"{_POD}/test_compile.py::test_cli_compiles_for_simulated_host_devices"),
+    r"toolkit\.compile": (
+        tiers.COMPILE, f"{_POD}/test_compile.py::test_cpu_lm_compiles_and_fits_on_small_slices"),
+    r"decode_cost\.py": (
+        tiers.COMMAND, "tests/scripts/test_decode_cost.py::"
+                       "test_decode_cost_reports_the_cache_it_compiled_for"),
+    r"toolkit\.cost": (
+        tiers.COMMAND, "tests/toolkit/costing/test_cost_cli.py::"
+                       "test_the_ranking_table_json_and_plot"),
+    r"toolkit\.sweep": (
+        tiers.COMMAND, f"{_TUNING}/test_sweep.py::test_killed_sweep_resumes_to_the_same_table"),
+    r"scripts/seeds\.py": (
+        tiers.COMMAND, f"{_TUNING}/test_seeds.py::test_each_seed_is_a_run_with_that_seed"),
+    r"toolkit\.serve": (
+        tiers.COMMAND, f"{_SERVING}/test_openai_api.py::"
+                       "test_completions_equal_generate_and_stream_joins_to_the_answer"),
+    r"toolkit\.generate": (tiers.COMMAND, f"{_SERVING}/test_generate.py::test_command_line"),
+    r"toolkit\.predict": (
+        tiers.COMMAND, f"{_SERVING}/test_predict.py::"
+                       "test_predictions_match_the_model_and_keep_input_order"),
+    r"toolkit\.sample": (
+        tiers.COMMAND, f"{_SERVING}/test_sample.py::test_sample_from_checkpoint_is_reproducible"),
+    r"toolkit\.evaluate": (
+        tiers.COMMAND, "tests/toolkit/evaluation/test_periodic.py::"
+                       "test_eval_tasks_every_n_steps_from_memory_equal_the_checkpoints"),
+    r"^import peft": (
+        tiers.COMMAND, "tests/toolkit/conversion/test_lora_export.py::"
+                       "test_peft_export_loads_in_peft_with_meshkits_logits"),
+    r"toolkit\.convert|from_pretrained\('runs/hf_export'\)": (
+        tiers.COMMAND, "tests/toolkit/test_convert.py::test_import_generate_export"),
+    r"chat_exact_match\.py": (
+        tiers.COMMAND, "tests/test_documented_results.py::"
+                       "test_sft_learns_to_repeat_words_on_three_seeds[seed_0]"),
+    r"scripts/bench_serve\.py": (
+        tiers.COMMAND, f"{_SERVING}/test_openai_api.py::"
+                       "test_bench_serve_quick_reports_every_column"),
+    r"scripts/bench_attention\.py": (
+        tiers.COMMAND, "tests/scripts/test_bench_attention_and_train.py::"
+                       "test_attention_benchmark_times_both_implementations"),
+    r"scripts/local_pod\.py": (
+        tiers.COMMAND, f"{_POD}/test_multiprocess.py::test_two_processes_train_like_one"),
+    r"toolkit\.supervise": (
+        tiers.COMMAND, f"{_POD}/test_supervisor.py::test_a_crash_and_a_hang_are_restarted_"
+                       "and_the_losses_equal_an_uninterrupted_run"),
+    r"toolkit\.train": (
+        tiers.COMMAND, "tests/toolkit/test_cli.py::test_tiny_run_writes_progress_eval_"
+                       "checkpoints_metrics_tensorboard_and_plot"),
 }
 # Docstring commands that need no JAX: cheap, so the default suite runs them too.
 JAX_FREE = (r"scripts/(tpu_pod|gke_jobset|slurm_job|prepare_text|check_layout|doc_commands)\.py",
@@ -291,9 +358,20 @@ def _in_default_suite(command: doc_commands.DocCommand) -> bool:
   return any(re.search(pattern, command.text, re.M) for pattern in (*JAX_FREE, *FAST))
 
 
+def _full(command: doc_commands.DocCommand):
+  """The full-tier mark of a command the default suite does not run, or None (FULL)."""
+  if _in_default_suite(command):
+    return None
+  for pattern, (clause, by) in FULL.items():
+    if re.search(pattern, command.text, re.M):
+      return tiers.full(clause, by)
+  return None
+
+
 def _param(case):
   marks = [] if _in_default_suite(case[0]) else [pytest.mark.slow]
-  return pytest.param(case, id=case[0].where, marks=marks)
+  full = _full(case[0])
+  return pytest.param(case, id=case[0].where, marks=marks + ([full] if full else []))
 
 
 @pytest.fixture(scope="module")
@@ -459,7 +537,8 @@ def test_the_docs_show_commands():
   assert any(c.kind == "python" for c in commands)
   # Every pattern still matches a command: the lists cannot go stale, and the commands that
   # once failed as pasted stay in the default suite.
-  for pattern in (*SKIP, *FAST, *APPEND, *PRODUCERS.values(), *KNOWN_NOISE, *EXPECTED_OUTPUT):
+  for pattern in (*SKIP, *FAST, *APPEND, *PRODUCERS.values(), *KNOWN_NOISE, *EXPECTED_OUTPUT,
+                  *FULL):
     assert any(re.search(pattern, c.text, re.M) for c in commands), pattern
   default = [c for c in commands if _in_default_suite(c)]
   for pattern in FAST:

@@ -31,6 +31,7 @@ import pytest
 SEEDS, COMPILE, COMMAND = "seeds", "compile", "command"
 CLAUSES = (SEEDS, COMPILE, COMMAND)
 MARKER = "full"
+COLLECTED = pytest.StashKey[list]()  # every test collected, before -m deselects (conftest)
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 

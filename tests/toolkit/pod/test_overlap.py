@@ -17,6 +17,7 @@ import json
 import pytest
 
 from experiments import lm, moe
+from tests import tiers
 from tests.toolkit.pod.test_compile import _compile_cli, needs_libtpu
 from toolkit import xla_flags
 from toolkit.pod import aot, collectives, scheduling, target as target_lib
@@ -132,9 +133,20 @@ _PRESETS = {
 }
 
 
+# The pipeline's is the presubmit tier's compile of its code path; the step's other presets and
+# the mixture of experts' compile in make test already (tests/tiers.py's COMPILE clause).
+_COVERED_BY = {"fsdp_ep": "tests/toolkit/pod/test_compile.py::"
+                          "test_moe_ragged_all_to_all_exchange_compiles_for_tpu",
+               "fsdp_tp_ep": "tests/toolkit/pod/test_compile.py::"
+                             "test_moe_ragged_all_to_all_exchange_compiles_for_tpu"}
+_STEP = "tests/toolkit/pod/test_compile.py::test_cpu_lm_compiles_and_fits_on_small_slices[v5p-8]"
+
+
 @pytest.mark.slow  # 4-6 s each, 36 s for the eight (55 s on busy cores)
 @pytest.mark.tpu_aot
-@pytest.mark.parametrize("preset", list(_PRESETS))
+@pytest.mark.parametrize("preset", [
+    pytest.param(preset, marks=() if preset == "fsdp_pp" else tiers.full(
+        tiers.COMPILE, by=_COVERED_BY.get(preset, _STEP))) for preset in _PRESETS])
 def test_every_rules_preset_compiles_for_v5p_8_with_the_overlap_flags(preset):
   needs_libtpu()
   experiment, variant, overrides = _PRESETS[preset]
