@@ -31,9 +31,9 @@ checkpoint; exit 0 (finished, or stopped by SIGTERM at the time limit after savi
 requeues), which resumes the same way; `--open-mode=append` keeps the log of every run.
 
 Environment of every task (docs/gpu.md), before the `--env` settings, which win:
-- JAX_PLATFORMS=cuda,cpu: the GPUs, or JAX's error ("Unable to initialize backend 'cuda'")
-  on a node that shows GPUs but lacks JAX's CUDA plugin, where JAX alone would only warn and
-  the toolkit would train on the CPU (toolkit/runtime.py).
+- JAX_PLATFORMS=cuda,cpu: the GPUs, or one error line from the command on a node that lacks
+  JAX's CUDA plugin, where JAX alone would skip `cuda` and train on the CPU
+  (toolkit/command_line.py's check_platform).
 - XLA_CLIENT_MEM_FRACTION=0.9 (--mem-fraction): the share of each GPU's memory JAX reserves
   at start-up. JAX's default, 0.75, keeps a quarter of it from the training step; 0.9 still
   leaves room for what CUDA, cuBLAS and NCCL allocate themselves. The script unsets the older

@@ -262,21 +262,51 @@ def help_for_console_script(argv: list[str]) -> None:
   sys.exit(1)
 
 
+# The accelerator platforms JAX_PLATFORMS may name, by the platform their devices report.
+_ACCELERATORS = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
+
+
+def _requested_accelerators() -> set[str]:
+  """The accelerators (gpu, tpu) JAX_PLATFORMS or jax_platforms names."""
+  import jax  # pylint: disable=g-import-not-at-top
+  requested = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
+  return {_ACCELERATORS[p] for p in requested.lower().replace(" ", "").split(",")
+          if p in _ACCELERATORS}
+
+
+def check_platform_plugin() -> None:
+  """Before JAX starts: one `error:` line when JAX_PLATFORMS names a GPU platform and JAX's
+  CUDA plugin is not installed (`check_platform` checks the devices themselves, later)."""
+  if "gpu" in _requested_accelerators() and not runtime.cuda_plugin_installed():
+    fail(f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r} asks for GPU devices, but "
+         "JAX's CUDA plugin is not installed here, so the run would be on the CPU; unset "
+         "JAX_PLATFORMS to use the devices this machine has, or install the plugin on a GPU "
+         "machine (pip install 'jax[cuda12]')")
+
+
 def check_platform() -> None:
   """One `error:` line when JAX cannot start the platform the environment asks for: with
   JAX_PLATFORMS=cuda on a machine without a GPU (or without JAX's CUDA plugin) JAX ends in a
-  bare AssertionError. Call it after joining other processes (`jax.distributed`), which must
-  come before JAX starts its devices."""
+  bare AssertionError, and with JAX_PLATFORMS=cuda,cpu (a SLURM job's setting) it skips the
+  missing `cuda` and runs on the CPU. So an accelerator the setting names must be the one the
+  devices are on. Call it after joining other processes (`jax.distributed`), which must come
+  before JAX starts its devices."""
   import jax  # pylint: disable=g-import-not-at-top
+  requested = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
+  fix = ("unset JAX_PLATFORMS to use the devices this machine has, or install that platform's "
+         "JAX plugin on a machine that has it (e.g. pip install 'jax[cuda12]')")
   try:
-    jax.devices()
+    platform = jax.devices()[0].platform
   except (RuntimeError, AssertionError) as e:
-    requested = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
     detail = str(e).strip().splitlines()[0] if str(e).strip() else (
         "its devices or its JAX plugin are missing")
     fail(f"JAX_PLATFORMS={requested!r} asks for a platform JAX cannot start here ({detail}); "
-         f"unset JAX_PLATFORMS to use the devices this machine has, or install that "
-         f"platform's JAX plugin on a machine that has it (e.g. pip install 'jax[cuda12]')")
+         f"{fix}")
+  named = _requested_accelerators()
+  if named and _ACCELERATORS.get(platform, platform) not in named:
+    fail(f"JAX_PLATFORMS={requested!r} asks for {' or '.join(sorted(named))} devices, but JAX "
+         f"found none and would run on the {platform.upper()} (its plugin or its devices are "
+         f"missing here); {fix}")
 
 
 def quiet_logging() -> None:

@@ -76,6 +76,7 @@ def cli() -> None:
                                      command_line.config_argument(sys.argv))
       except ConfigError as e:
         command_line.fail(e, command_line.USAGE_EXIT)
+    command_line.check_platform_plugin()
     runtime.start(cache_flag.value, mesh=config.mesh, xla_flags=xla_flags.setting_of(config))
     try:
       processes = distributed.initialize(
@@ -87,6 +88,7 @@ def cli() -> None:
     except (RuntimeError, AssertionError):
       command_line.check_platform()  # one line when it is JAX_PLATFORMS that failed
       raise
+    command_line.check_platform()  # an accelerator JAX_PLATFORMS names is the one in use
     if processes.process_count > 1:
       print(processes, flush=True)  # every process: one line each, to tell them apart
       first = processes.process_index == 0

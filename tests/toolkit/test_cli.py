@@ -389,3 +389,19 @@ def test_console_scripts_help_lists_the_commands_flags(script, flag):
   done = subprocess.run([str(launcher), "--help"], cwd=REPO, env=_env(), capture_output=True,
                         text=True, timeout=MISTAKE_TIMEOUT_S)
   assert f"USAGE: {script} [flags]" in done.stdout and flag in done.stdout, done.stdout
+
+
+def test_the_slurm_scripts_gpu_setting_without_a_gpu_is_one_error_line(tmp_path):
+  """docs/gpu.md: scripts/slurm_job.py exports JAX_PLATFORMS=cuda,cpu, under which JAX skips a
+  missing CUDA plugin and runs on the CPU; a GPU job without the plugin is one error line before
+  anything runs, its workdir never made."""
+  setting = re.search(r'"export JAX_PLATFORMS=(\S+)"',
+                      (REPO / "scripts" / "slurm_job.py").read_text()).group(1)
+  assert "cuda" in setting.split(",")
+  before = snapshot(tmp_path)
+  result = preloaded.run("toolkit.train", [TINY, f"--workdir={tmp_path / 'run'}"],
+                         env=_env() | {"JAX_PLATFORMS": setting}, timeout=MISTAKE_TIMEOUT_S,
+                         fresh=True)
+  refused(result, [f"JAX_PLATFORMS={setting!r} asks for GPU devices", "CUDA plugin",
+                   "pip install 'jax[cuda12]'"], tmp_path, before)
+  assert result.stdout == "", result.stdout  # nothing before it: not even the overlap flags

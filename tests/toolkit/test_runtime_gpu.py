@@ -183,3 +183,21 @@ def test_several_cpu_processes_compile_their_own_programs(monkeypatch, before_ja
   monkeypatch.setenv("JAX_PLATFORMS", "tpu")
   assert not runtime.cache_off_for_cpu_processes(4, lines.append)
   assert before_jax_starts == {} and len(lines) == 1
+
+
+@pytest.mark.parametrize("setting", ["cuda,cpu", "tpu,cpu", "gpu"])
+def test_an_accelerator_the_setting_names_must_be_the_one_in_use(monkeypatch, capsys, setting):
+  """command_line.check_platform after JAX started on the CPU (as it does here, where JAX
+  skips a listed accelerator it cannot start): one error line naming the setting; a setting
+  that names only the CPU passes."""
+  from toolkit import command_line  # pylint: disable=g-import-not-at-top
+  assert jax.devices()[0].platform == "cpu"
+  monkeypatch.setenv("JAX_PLATFORMS", setting)
+  with pytest.raises(SystemExit) as stopped:
+    command_line.check_platform()
+  assert stopped.value.code == 1
+  error = capsys.readouterr().err.strip()
+  assert error.startswith(f"error: JAX_PLATFORMS={setting!r} asks for ") and "\n" not in error
+  assert "would run on the CPU" in error and "unset JAX_PLATFORMS" in error
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  command_line.check_platform()
