@@ -39,8 +39,9 @@ def cli() -> None:
                                     "decoded together (rounded up to the mesh's batch ways).",
                                     lower_bound=1)
   max_length_flag = flags.DEFINE_integer("max_length", 0, "Tokens per input; longer ones are "
-                                         "cut from the left. 0: the config's data.seq_len.",
-                                         lower_bound=0)
+                                         "cut from the left. 0: the model's context (its "
+                                         "export's max_position_embeddings, as the harness's "
+                                         "hf backend reads it).", lower_bound=0)
   limit_flag = flags.DEFINE_float("limit", None, "Examples per task (a fraction of each task "
                                   "when below 1); default all.", lower_bound=0.0)
   fewshot_flag = flags.DEFINE_integer("num_fewshot", None, "Examples in the prompt; default "
@@ -51,8 +52,9 @@ def cli() -> None:
   bootstrap_flag = flags.DEFINE_integer("bootstrap_iters", 100_000, "Bootstrap resamples for "
                                         "the standard errors that need them; 0 skips those.",
                                         lower_bound=0)
-  seed_flag = flags.DEFINE_integer("seed", 0, "Seed of the few-shot choice and of sampling.",
-                                   lower_bound=0)
+  seed_flag = flags.DEFINE_integer("seed", None, "One seed for Python's random, NumPy, torch, "
+                                   "the few-shot choice and sampling, as lm_eval's --seed N; "
+                                   "default the harness's (0, 1234, 1234, 1234).", lower_bound=0)
   engine_flags = define_engine_flags()
   cache_dir_flag = command_line.define_runtime_flags()
 

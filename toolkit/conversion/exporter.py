@@ -73,16 +73,29 @@ def _source_folder(config: ml_collections.ConfigDict, hf_source: str | None) -> 
   return path if workdir_lib.isdir(path) else None
 
 
+def _carried(source: str | None) -> dict:
+  """The CARRIED_FIELDS of the Hugging Face folder `source` (none without one)."""
+  if not source or not workdir_lib.isfile(workdir_lib.join(source, folder_lib.CONFIG)):
+    return {}
+  original = folder_lib.read_json(workdir_lib.join(source, folder_lib.CONFIG), "fix it or "
+                                  "leave --hf_source out")
+  return {k: original[k] for k in CARRIED_FIELDS if k in original}
+
+
+def context_length(model, config: ml_collections.ConfigDict, source: str | None = None) -> int:
+  """The model's context, as its export's max_position_embeddings states it: the Hugging Face
+  folder's it came from (`source`, else train.init_from's), else Llama 3's scaled RoPE's, else
+  the sequence length it trained at (data.seq_len)."""
+  carried = _carried(source if source is not None else _source_folder(config, None))
+  if "max_position_embeddings" in carried:
+    return int(carried["max_position_embeddings"])
+  return (int(model.rope_original_max_positions * model.rope_factor)
+          if model.rope_type == "llama3" else int(config.data.seq_len))
+
+
 def _hf_config(model, config: ml_collections.ConfigDict, source: str | None) -> dict:
-  carried = {}
-  if source and workdir_lib.isfile(workdir_lib.join(source, folder_lib.CONFIG)):
-    original = folder_lib.read_json(workdir_lib.join(source, folder_lib.CONFIG), "fix it or "
-                                    "leave --hf_source out")
-    carried = {k: original[k] for k in CARRIED_FIELDS if k in original}
-  if "max_position_embeddings" not in carried:
-    carried["max_position_embeddings"] = (
-        int(model.rope_original_max_positions * model.rope_factor)
-        if model.rope_type == "llama3" else int(config.data.seq_len))
+  carried = _carried(source)
+  carried.setdefault("max_position_embeddings", context_length(model, config, source or ""))
   return {**hf.for_model(model).hf_config(model), **carried}
 
 

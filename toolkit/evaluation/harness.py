@@ -176,19 +176,32 @@ def _version() -> str:
     return "?"
 
 
+# simple_evaluate's and `lm_eval --seed`'s defaults: Python's random, NumPy, torch, the few-shot
+# choice. A seed of our own sets all four, as `lm_eval --seed N` does.
+HARNESS_SEEDS = {"random_seed": 0, "numpy_random_seed": 1234, "torch_random_seed": 1234,
+                 "fewshot_random_seed": 1234}
+SAMPLING_SEED = HARNESS_SEEDS["torch_random_seed"]  # HFLM samples with torch's generator
+
+
+def seeds(seed: int | None) -> dict[str, int]:
+  """simple_evaluate's seed arguments: the harness's defaults, or `seed` for all four."""
+  return dict(HARNESS_SEEDS) if seed is None else dict.fromkeys(HARNESS_SEEDS, seed)
+
+
 def run(lm, tasks: list, *, limit: float | None = None, num_fewshot: int | None = None,
-        bootstrap_iters: int = 100_000, log_samples: bool = False, seed: int = 0) -> dict:
+        bootstrap_iters: int = 100_000, log_samples: bool = False,
+        seed: int | None = None) -> dict:
   """The harness's `simple_evaluate` of `lm` on loaded `tasks`: its results dict ("results",
   "groups", "configs", "versions", "n-shot", ..., "samples" when `log_samples`). `limit`:
-  examples per task (a fraction when below 1; None: all)."""
+  examples per task (a fraction when below 1; None: all); `seed`: None for the harness's own
+  seeds (HARNESS_SEEDS), else one for all of them."""
   from lm_eval import simple_evaluate  # pylint: disable=g-import-not-at-top
   from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
   flat = [t for item in tasks for t in (item if isinstance(item, list) else [item])]
   # The tasks are loaded already: an empty manager, not the index of every harness task.
   return simple_evaluate(model=lm, tasks=flat, task_manager=TaskManager(include_defaults=False),
                          limit=limit, num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
-                         log_samples=log_samples, random_seed=seed, numpy_random_seed=seed,
-                         torch_random_seed=None, fewshot_random_seed=seed)
+                         log_samples=log_samples, **seeds(seed))
 
 
 def table(results: dict) -> str:

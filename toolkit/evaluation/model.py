@@ -83,7 +83,11 @@ class MeshkitLM(TemplateLM):
 
   @property
   def max_gen_toks(self) -> int:
-    return min(DEFAULT_MAX_GEN_TOKS, self._max_length // 2)
+    """The harness's 256 for a task that sets none; half of max_length where 256 would leave
+    the prompt no room (the `hf` backend would cut it to nothing)."""
+    if DEFAULT_MAX_GEN_TOKS < self._max_length // 2:
+      return DEFAULT_MAX_GEN_TOKS
+    return self._max_length // 2
 
   @property
   def tokenizer_name(self) -> str:

@@ -19,6 +19,7 @@ import ml_collections
 
 from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
+from toolkit.conversion import exporter
 from toolkit.evaluation import harness, tokens
 from toolkit.inference import engine as engine_lib
 from toolkit.inference.restore import restore_params
@@ -35,18 +36,18 @@ def run(config: ml_collections.ConfigDict, checkpoint_path: str, tasks: str, *,
         tokenizer: str = "", include_path: str | None = None, batch_size: int = 32,
         max_length: int = 0, limit: float | None = None, num_fewshot: int | None = None,
         output: str | None = None, log_samples: bool = False, bootstrap_iters: int = 100_000,
-        seed: int = 0, options: engine_lib.Options = engine_lib.Options()) -> dict:
+        seed: int | None = None, options: engine_lib.Options = engine_lib.Options()) -> dict:
   """Evaluates `checkpoint_path`'s latest step on `tasks` (comma-separated names or YAML
   files); returns the harness's results dict and writes it to `output` as JSON when given.
-  `max_length`: tokens per input, 0 for the config's data.seq_len; `limit`: examples per task
-  (a fraction when below 1)."""
+  `max_length`: tokens per input, 0 for the model's context (its Hugging Face export's
+  max_position_embeddings, as the harness's `hf` backend reads it); `limit`: examples per task
+  (a fraction when below 1); `seed`: None for the harness's seeds (harness.HARNESS_SEEDS)."""
   spec = config_lib.resolve(config)
   if spec.task != "lm":
     raise ConfigError(f"--config has model.kind={config.model.get('kind')!r}, not a language "
                       f"model; the harness's tasks evaluate language models")
   specs = harness.parse_specs(tasks, "--tasks")
   codec = tokens.codec_for(config, tokenizer)
-  max_length = max_length or config.data.seq_len
   if output and not workdir_lib.is_url(output) and not os.path.isdir(
       os.path.dirname(os.path.abspath(output))):
     raise ConfigError(f"--output={output!r}: its folder does not exist; create it first")
@@ -55,7 +56,9 @@ def run(config: ml_collections.ConfigDict, checkpoint_path: str, tasks: str, *,
   log(f"loaded {len(specs)} task spec(s) in {time.perf_counter() - start:.1f} s")
   params, model_cfg, mesh, rules, step = restore_params(config, checkpoint_path)
   from toolkit.evaluation.model import MeshkitLM  # pylint: disable=g-import-not-at-top  # lm_eval
-  lm = MeshkitLM(model_cfg, params, mesh, rules, codec, max_length, batch_size, seed, options,
+  max_length = max_length or exporter.context_length(model_cfg, config)
+  lm = MeshkitLM(model_cfg, params, mesh, rules, codec, max_length, batch_size,
+                 harness.SAMPLING_SEED if seed is None else seed, options,
                  name=f"{checkpoint_path} step {step}")
   log(f"restored step {step}; mesh {dict(mesh.shape)}, rules {rules.name}; tokenizer "
       f"{codec.tokenizer.path}; max_length {max_length}, batch {lm.scorer.batch_size}")

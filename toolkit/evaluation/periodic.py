@@ -87,11 +87,11 @@ class _Evaluator:
       from toolkit.evaluation.model import MeshkitLM  # pylint: disable=g-import-not-at-top
       rows = config.data.global_batch_size // config.train.microbatches  # fits in training
       self.lm = MeshkitLM(spec.model, state["params"], spec.mesh, spec.rules, self.codec,
-                          config.data.seq_len, rows, config.seed, name="training")
+                          config.data.seq_len, rows, harness.SAMPLING_SEED, name="training")
     else:
       self.lm.set_params(state["params"])
     limit = config.train.get("eval_tasks_limit", 0) or None
-    results = harness.run(self.lm, self.tasks, limit=limit, bootstrap_iters=0, seed=config.seed)
+    results = harness.run(self.lm, self.tasks, limit=limit, bootstrap_iters=0)
     return harness.scalars(results)
 
 

@@ -102,3 +102,36 @@ def test_rolling_log_likelihoods_equal_the_hf_backend(models):
   requests = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)]
   np.testing.assert_allclose(meshkit.loglikelihood_rolling(requests),
                              hf.loglikelihood_rolling(requests), rtol=0, atol=HF_PARITY * 3)
+
+
+def test_a_few_shot_task_with_the_defaults_on_both_sides_gives_the_harness_numbers(models):
+  """toolkit.evaluate's defaults are lm_eval's: meshkit through harness.run without a seed and
+  the hf backend through the harness's own simple_evaluate with its defaults see the same
+  3-shot prompts and score the same. Seed 0 for all four (the earlier default) draws other
+  examples, so the comparison can fail."""
+  from lm_eval import simple_evaluate  # pylint: disable=g-import-not-at-top
+  from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
+  meshkit, hf = models
+  task, shots = "meshkit_arithmetic_choice", 3
+  ours = harness.run(meshkit, harness.load_tasks([CHOICE]), limit=LIMIT, num_fewshot=shots,
+                     log_samples=True, bootstrap_iters=0)
+  theirs = simple_evaluate(model=hf, tasks=harness.load_tasks([CHOICE]), limit=LIMIT,
+                           num_fewshot=shots, log_samples=True, bootstrap_iters=0,
+                           task_manager=TaskManager(include_defaults=False))
+  prompts = lambda results: [[list(a) for a in s["arguments"]]  # noqa: E731
+                             for s in results["samples"][task]]
+  assert prompts(ours) == prompts(theirs)
+  assert all(s["arguments"][0][0].count("Question:") == shots + 1 for s in ours["samples"][task])
+  for metric in ("acc,none", "acc_norm,none"):
+    assert ours["results"][task][metric] == theirs["results"][task][metric]
+  seed_0 = harness.run(meshkit, harness.load_tasks([CHOICE]), limit=LIMIT, num_fewshot=shots,
+                       log_samples=True, bootstrap_iters=0, seed=0)
+  assert prompts(seed_0) != prompts(theirs)
+
+
+def test_a_generation_task_gets_the_harness_256_new_tokens_where_they_fit(models):
+  meshkit, _ = models
+  assert meshkit.max_length == MAX_LENGTH and meshkit.max_gen_toks == MAX_LENGTH // 2
+  roomy = MeshkitLM.__new__(MeshkitLM)
+  roomy._max_length = 2048  # pylint: disable=protected-access
+  assert roomy.max_gen_toks == 256
