@@ -35,6 +35,9 @@ from toolkit.errors import ConfigError  # noqa: E402  pylint: disable=wrong-impo
 def read_documents(paths: list[str], text_key: str):
   """Yields each document's text; errors name the file (and line) and the fix."""
   for path in paths:
+    if os.path.isdir(path):
+      raise ConfigError(f"input {path} is a folder; give the text or .jsonl files in it, e.g. "
+                        f"{os.path.join(path, '*.txt')}")
     if not os.path.isfile(path):
       raise ConfigError(f"input {path} does not exist; give text or .jsonl files")
     if not path.endswith(".jsonl"):

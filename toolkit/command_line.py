@@ -117,7 +117,7 @@ def explain_flag_error(error: Exception, argv: list[str]) -> str:
       return (f"{early[0]} comes before --config; give --config={config_arg} first, then the "
               f"--config.FIELD overrides")
     config_path = config_arg.split(":", 1)[0]
-    if not os.path.isfile(config_path):
+    if not os.path.isfile(config_path) or not config_path.endswith(".py"):
       return missing_config_file(config_arg)
     # Loading the experiment again (it has no side effects) gives its own exception, where
     # config_flags wraps it with a traceback in the text or lets it escape.
@@ -166,6 +166,9 @@ def missing_config_file(config_arg: str) -> str:
   path = config_arg.split(":", 1)[0]
   if not path:
     return "--config is empty; give an experiment file, e.g. --config=experiments/lm.py:tiny"
+  if os.path.exists(path) and not os.path.isdir(path) and not path.endswith(".py"):
+    return (f"--config={config_arg}: {path} is not a Python file; give an experiment file (a "
+            f".py with get_config), e.g. --config=experiments/lm.py:tiny")
   if os.path.isfile(path):
     return (f"--config={config_arg}: {path} did not load (unreadable, or get_config() returned "
             f"no ConfigDict); fix the experiment file")

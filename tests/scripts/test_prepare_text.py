@@ -96,6 +96,10 @@ def test_bad_inputs(tmp_path):
     with pytest.raises(ConfigError, match=r"hold no text.*give files with text in them"):
       prepare_text.prepare([str(tmp_path / empty)], str(tmp_path / "o"), tokenizer, 0.1, 100)
   assert not (tmp_path / "o").exists()  # nothing written for refused inputs
+  (tmp_path / "texts").mkdir()  # once "does not exist"
+  with pytest.raises(ConfigError, match=r"input .*texts is a folder; give the text or \.jsonl "
+                                        r"files in it, e\.g\. .*texts/\*\.txt"):
+    prepare_text.prepare([str(tmp_path / "texts")], str(tmp_path / "o"), tokenizer, 0.1, 100)
   (tmp_path / "a_file").write_text("x")
   with pytest.raises(ConfigError, match=r"--out='.*a_file' is a file; give a folder"):
     prepare_text.prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "a_file"), tokenizer, 0.1,

@@ -221,6 +221,12 @@ def test_help_describes_the_flags():
 MISTAKES = [
     ("experiment_file_missing", ["--config=experiments/nosuch.py", "--workdir={W}"],
      ["--config=experiments/nosuch.py", "does not exist", "give e.g. --config=experiments/lm.py"]),
+    # A file that is not Python once ended in "AttributeError: 'NoneType' object has no
+    # attribute 'loader'", and /dev/null in "does not exist".
+    ("experiment_file_not_python", ["--config=README.md:tiny", "--workdir={W}"],
+     ["--config=README.md:tiny", "README.md is not a Python file", "give an experiment file"]),
+    ("experiment_file_a_device", ["--config=/dev/null", "--workdir={W}"],
+     ["--config=/dev/null", "/dev/null is not a Python file", "e.g. --config=experiments/lm.py"]),
     ("variant_unknown", ["--config=experiments/lm.py:nosuch", "--workdir={W}"],
      ["--config=experiments/lm.py:nosuch", "unknown variant 'nosuch'", "choose from cpu, tiny"]),
     ("size_preset_unknown", ["--config=experiments/lm.py:size=huge", "--workdir={W}"],

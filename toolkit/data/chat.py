@@ -102,7 +102,7 @@ def _jsonl(path: str) -> Iterator[Conversation]:
     try:
       record = json.loads(line)
     except json.JSONDecodeError as e:
-      raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+      raise ConfigError(f"{where}: not valid JSON ({text.json_problem(line, e)})") from None
     yield Conversation(parse_record(record, where), where)
 
 
@@ -132,7 +132,7 @@ def records(path: str) -> Iterator[tuple[str, dict]]:
     try:
       yield where, json.loads(line)
     except json.JSONDecodeError as e:
-      raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+      raise ConfigError(f"{where}: not valid JSON ({text.json_problem(line, e)})") from None
 
 
 def _parquet(path: str) -> Iterator[Conversation]:

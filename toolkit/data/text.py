@@ -41,8 +41,16 @@ def jsonl_lines(path: str):
       except UnicodeDecodeError as e:
         raise ConfigError(f"{where} is not UTF-8 ({e.reason} at byte {e.start}); save the "
                           f"file as UTF-8") from None
-      if line.strip():
-        yield where, line
+      if line.strip():  # without its line break: a JSON error's column is then on this line
+        yield where, line.rstrip("\r\n")
+
+
+def json_problem(line: str, error) -> str:
+  """Where a JSONL line's json.JSONDecodeError `error` is, for a message: its column, and that
+  it is the line's end (a closing brace or quote left out) when it is."""
+  end = " (the end of the line: a closing brace or quote missing?)" if error.pos >= len(
+      line.rstrip()) else ""
+  return f"{error.msg} at column {error.colno}{end}"
 
 
 def utf8_problem(text: str) -> str | None:

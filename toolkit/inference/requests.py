@@ -3,6 +3,7 @@ offline generation (toolkit.generate) and the server (toolkit.serve)."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 
@@ -85,6 +86,14 @@ def parse_prompt(record, vocab_size: int, codec: Codec = BYTE_LEVEL) -> np.ndarr
   when the model has one) or "tokens" (ids in [0, vocab_size), taken as given)."""
   if not isinstance(record, dict):
     raise RequestError('the request must be a JSON object such as {"prompt": "The "}')
+  if "prompt" not in record and "tokens" not in record:
+    known = {"prompt", "tokens", "id"} | {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(record) - known)
+    if unknown:  # a misspelled "prompt" is named, not reported as a missing one
+      close = difflib.get_close_matches(unknown[0], ["prompt", "tokens"], n=1)
+      hint = f" (did you mean {close[0]!r}?)" if close else ""
+      raise RequestError(f'unknown field {unknown[0]!r}{hint}; give "prompt" (text) or '
+                         f'"tokens" (a list of ids)')
   if ("prompt" in record) == ("tokens" in record):
     raise RequestError('give exactly one of "prompt" (text) or "tokens" (a list of ids)')
   if "prompt" in record:

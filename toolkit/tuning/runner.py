@@ -74,7 +74,7 @@ def load(config_arg: str, fixed: dict[str, Any] | None = None) -> Loaded:
   """Calls `get_sweep(arg)` of `path[:arg]`, then `get_config(sweep.base)` of the same file;
   `fixed` adds to (or replaces) the sweep's own fixed fields."""
   path, _, arg = config_arg.partition(":")
-  if not os.path.isfile(path):
+  if not os.path.isfile(path) or not path.endswith(".py"):
     raise ConfigError(command_line.missing_config_file(config_arg))
   spec = importlib.util.spec_from_file_location("_sweep_experiment", path)
   module = importlib.util.module_from_spec(spec)

@@ -49,6 +49,9 @@ def test_jsonl_and_parquet_in_both_forms(tmp_path):
 BAD_LINES = [
     ("[1, 2]", "line 2: not a JSON object"),
     ("{\"messages\": [", "line 2: not valid JSON"),
+    # The column of an error at the line's end once read 1 (the line break's next line).
+    ('{"prompt": "x", "completion": "y"', "line 2: not valid JSON (Expecting ',' delimiter at "
+     "column 34 (the end of the line: a closing brace or quote missing?))"),
     ({"text": "hi"}, "line 2: has neither \"messages\" nor \"prompt\" and \"completion\" "
                      "(keys: text)"),
     ({"messages": []}, "line 2: messages must be a non-empty list"),

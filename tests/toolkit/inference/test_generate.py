@@ -52,7 +52,10 @@ def test_prompts_file_to_output_file_in_order(workdir, tmp_path):
 @pytest.mark.parametrize("content,message", [
     ('{"prompt": "a"}\n{"prompt": "b"\n', "in.jsonl line 2 is not valid JSON"),
     ('{"prompt": "a", "top_p": 2}\n', "in.jsonl line 1: top_p=2 must be in (0, 1]"),
-    ('{"text": "a"}\n', 'in.jsonl line 1: give exactly one of "prompt" (text) or "tokens"'),
+    ('{"text": "a"}\n', "in.jsonl line 1: unknown field 'text'; give \"prompt\" (text) or "
+                       '"tokens"'),
+    ('{"prmpt": "a"}\n', "in.jsonl line 1: unknown field 'prmpt' (did you mean 'prompt'?)"),
+    ('{"prompt": "a", "tokens": [1]}\n', 'line 1: give exactly one of "prompt" (text) or "tokens"'),
     ('{"prompt": "a", "temp": 1}\n', "in.jsonl line 1: unknown field 'temp'"),
     ('{"prompt": "' + "x" * 40 + '"}\n', "exceeds the cache length 32"),
     ("\n", "holds no prompts"),
