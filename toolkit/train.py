@@ -8,6 +8,7 @@ The flags live here and nowhere else; the work is `toolkit.training.run(config, 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import jax
@@ -31,7 +32,7 @@ def cli() -> None:
   2 for a command-line mistake; 1 for a config, workdir or checkpoint mistake, a full or
   read-only disk, a non-finite loss, or a peer process that failed or never started; 75 when
   the hang watchdog ended a process (docs/pods.md); 130 after a second SIGINT/SIGTERM, or
-  Ctrl-C before the loop. Each prints one `error:` line on stderr
+  Ctrl-C or SIGTERM before the loop. Each prints one `error:` line on stderr
   (docs/faults.md). When JAX's runtime itself ends a process (process 0 died, or a peer
   stopped sending heartbeats) it exits on SIGABRT.
   """
@@ -124,14 +125,28 @@ def train(config, workdir: str, process_count: int) -> None:
     distributed.abandon(e)
 
 
+class _Terminated(KeyboardInterrupt):
+  """SIGTERM outside the loop's own handling, raised as Ctrl-C is."""
+
+
+def _raise_terminated(signum, frame) -> None:
+  del signum, frame
+  raise _Terminated()
+
+
 def one_line_on_interrupt(main):
-  """`main`, with Ctrl-C outside the loop's own handling (start-up, compile, the final save
-  and plots) as one line and status 130 instead of a KeyboardInterrupt traceback."""
+  """`main`, with Ctrl-C or SIGTERM outside the loop's own handling (start-up, compile, the
+  final save and plots) as one line and status 130 instead of a KeyboardInterrupt traceback
+  (Ctrl-C) or a silent death (SIGTERM's default). The loop installs its own handlers while it
+  runs (toolkit/training/stop_signal.py), and JAX's runtime its own on a pod."""
   def interruptible(argv) -> None:
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+      signal.signal(signal.SIGTERM, _raise_terminated)
     try:
       main(argv)
-    except KeyboardInterrupt:
-      command_line.fail("interrupted (SIGINT) outside the training loop: nothing more was "
+    except KeyboardInterrupt as e:
+      name = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
+      command_line.fail(f"interrupted ({name}) outside the training loop: nothing more was "
                         "saved, committed checkpoints are intact; rerun the same command to "
                         "resume", stop_signal.INTERRUPTED_EXIT, now=True)
   return interruptible

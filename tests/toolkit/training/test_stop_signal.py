@@ -97,6 +97,30 @@ def test_ctrl_c_outside_the_loop_is_one_line_and_status_130(tmp_path):
       "committed checkpoints are intact; rerun the same command to resume")
 
 
+# SIGTERM while the run compiles: it once ended the process silently (status -15).
+_TERMINATED_WHILE_COMPILING = """
+import os, runpy, signal, sys, time
+from toolkit.training import loop
+def compile_steps(*args, **kwargs):
+  os.kill(os.getpid(), signal.SIGTERM)
+  time.sleep(30)  # the handler runs in this thread before the sleep ends
+loop.compile_steps = compile_steps
+sys.argv = ["toolkit.train", *sys.argv[1:]]
+runpy.run_module("toolkit.train", run_name="__main__")
+"""
+
+
+def test_sigterm_outside_the_loop_is_one_line_and_status_130_as_ctrl_c_is(tmp_path):
+  result = preloaded.run(code=_TERMINATED_WHILE_COMPILING,
+                         args=[TINY, f"--workdir={tmp_path / 'w'}"], env=_env(),
+                         timeout=MISTAKE_TIMEOUT_S)
+  assert result.returncode == 130, result.stdout + result.stderr
+  assert "Traceback" not in result.stdout + result.stderr
+  assert result.stderr.strip().splitlines()[-1] == (
+      "error: interrupted (SIGTERM) outside the training loop: nothing more was saved, "
+      "committed checkpoints are intact; rerun the same command to resume")
+
+
 @pytest.mark.slow  # a run to its first progress line: ~6 s; the default suite is at its budget
 def test_ctrl_c_twice_saves_the_step_of_the_first_and_exits_within_5_s(tmp_path):
   """Issue 32: Ctrl-C twice ended in a KeyboardInterrupt traceback and saved nothing."""
