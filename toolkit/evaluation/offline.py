@@ -43,7 +43,7 @@ def run(config: ml_collections.ConfigDict, checkpoint_path: str, tasks: str, *,
   max_position_embeddings, as the harness's `hf` backend reads it); `limit`: examples per task
   (a fraction when below 1); `seed`: None for the harness's seeds (harness.HARNESS_SEEDS)."""
   spec = config_lib.resolve(config)
-  if spec.task != "lm":
+  if spec.task not in config_lib.LANGUAGE_MODEL_TASKS:
     raise ConfigError(f"--config has model.kind={config.model.get('kind')!r}, not a language "
                       f"model; the harness's tasks evaluate language models")
   specs = harness.parse_specs(tasks, "--tasks")

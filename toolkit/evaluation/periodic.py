@@ -50,7 +50,7 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
   """A language model, on a mesh that keeps each sequence's positions and the layers whole
   (the scoring pass and the KV cache need them so)."""
   spec = config_lib.resolve(config)
-  if spec.task != "lm":
+  if spec.task not in config_lib.LANGUAGE_MODEL_TASKS:
     raise ConfigError(f"{FIELD}={config.train.eval_tasks!r} evaluates language models, not "
                       f"model.kind={config.model.get('kind')!r}; set {FIELD}=''")
   for logical, what in (("length", "context parallelism"), ("layers", "pipeline stages")):

@@ -25,8 +25,9 @@ def trained_with(config: ml_collections.ConfigDict) -> str | None:
   """'bytes', a tokenizer.json or a folder holding one: what `config`'s data was tokenized
   with; None when it was not text."""
   data = config.data
-  if data.source == "chat" and data.get("tokenizer", ""):
-    return data.tokenizer
+  if data.source in ("chat", "preference", "prompts"):  # SFT, DPO, GRPO: as their data has it
+    from toolkit.data import chat  # pylint: disable=g-import-not-at-top  # imports Grain
+    return chat.tokenizer_path(data, config.train.get("init_from", ""))
   folder = init_from.parse(config.train.get("init_from", ""))
   if folder and workdir_lib.isfile(workdir_lib.join(folder, TOKENIZER_FILE)):
     return folder

@@ -70,7 +70,7 @@ def run(config: ml_collections.ConfigDict, checkpoint_path: str, *, prompt: str 
       raise ConfigError(f"--output={output!r}: folder {parent} does not exist; create it first")
   # Input mistakes first: they need only the model's vocabulary, not the restored weights.
   spec = config_lib.resolve(config)
-  if spec.task != "lm":
+  if spec.task not in config_lib.LANGUAGE_MODEL_TASKS:
     raise ConfigError(f"--config has model.kind={config.model.get('kind')!r}, not a language "
                       f"model; predict with python -m toolkit.predict")
   vocab_size = spec.model.vocab_size

@@ -49,7 +49,8 @@ def _refuse_split_cache(spec: config_lib.RunSpec) -> None:
   for logical, what in (("length", "context parallelism"), ("layers", "pipeline stages")):
     axes = spec.rules.activation_spec((logical,), spec.mesh)
     axes = [a for e in axes if e for a in ((e,) if isinstance(e, str) else e)]
-    if spec.task == "lm" and any(spec.mesh.shape[a] > 1 for a in axes):
+    language_model = spec.task in config_lib.LANGUAGE_MODEL_TASKS
+    if language_model and any(spec.mesh.shape[a] > 1 for a in axes):
       split = "x".join(f"{a}={spec.mesh.shape[a]}" for a in axes)
       raise ConfigError(f"decoding with a KV cache split over {split} ({what}) is not "
                         f"supported; serve the checkpoint on a mesh without that axis, e.g. "

@@ -172,6 +172,8 @@ _SOURCES = {"lm": ("stdlib_docs", "synthetic", "tokens", "chat", "preference", "
 _TASK_OF_KIND = {"llama": "lm", "vit": "classification"}
 # An LM's data.source values that make it another task (toolkit/training/post_training_checks.py).
 _POST_TRAINING = {"preference": "dpo", "prompts": "grpo"}
+# The tasks whose model is the language model: its checkpoints generate, serve and evaluate.
+LANGUAGE_MODEL_TASKS = ("lm", *_POST_TRAINING.values())
 
 
 def rows_per_step(config: ml_collections.ConfigDict, task: str) -> int:
