@@ -50,10 +50,16 @@ def set_deadline(seconds: float) -> None:
   _deadline_s = float(seconds)
 
 
-def bounded(function: Callable[[], T], what: str) -> T:
-  """function() in a daemon thread for at most the deadline: its result, or what it raised;
-  past the deadline TimeoutError (errno ETIMEDOUT, "no answer within N s") naming `what`,
-  the call left running (a daemon thread cannot hold the process at exit)."""
+def deadline() -> float:
+  """The seconds one storage call may take (`set_deadline`)."""
+  return _deadline_s
+
+
+def bounded(function: Callable[[], T], what: str, seconds: float | None = None) -> T:
+  """function() in a daemon thread for at most `seconds` (the deadline when None): its result,
+  or what it raised; past it TimeoutError (errno ETIMEDOUT, "no answer within N s") naming
+  `what`, the call left running (a daemon thread cannot hold the process at exit)."""
+  seconds = _deadline_s if seconds is None else seconds
   outcome: list = []
 
   def target():
@@ -64,9 +70,9 @@ def bounded(function: Callable[[], T], what: str) -> T:
 
   thread = threading.Thread(target=target, name=f"storage: {what}", daemon=True)
   thread.start()
-  thread.join(_deadline_s)
+  thread.join(seconds)
   if not outcome:
-    raise TimeoutError(errno.ETIMEDOUT, f"no answer within {_deadline_s:g} s", what)
+    raise TimeoutError(errno.ETIMEDOUT, f"no answer within {seconds:g} s", what)
   ok, value = outcome[0]
   if not ok:
     raise value

@@ -199,8 +199,22 @@ class Checkpoints:
       storage.call_bounded(lambda: storage.remove_partial(self.directory), timeout_s,
                            "removing partial saves")
       return
+    # A store that stops answering during the last save would hold the run until the hang
+    # watchdog: the wait is bounded by the storage deadline (train.storage_timeout_s) plus
+    # twice the longest save this run finished, as a large checkpoint takes its time.
+    finished = [t.seconds for t in self.timings if t.seconds is not None]
+    limit = workdir_lib.deadline() + 2 * max(finished, default=0.0)
     try:
-      self.wait()
+      workdir_lib.bounded(self.wait, "the last checkpoint save", seconds=limit)
+    except TimeoutError as e:  # left writing: its temporary folder is removed at the next start
+      raise storage.StorageError(
+          f"the last checkpoint could not be written to {self.directory} "
+          f"({storage.cause(e)}); the checkpoints committed before it are intact; "
+          f"{storage.fix(e)}, then rerun the same command to resume") from None
+    except BaseException:
+      storage.call_bounded(self.manager.close, 60, "closing the checkpoint manager")
+      raise
+    try:
       # Orbax removes the temporary folders of an earlier run's unfinished saves in a thread it
       # awaits only at the next save; a run that never saved must not exit before it is done.
       getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()

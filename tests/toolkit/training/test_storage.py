@@ -298,3 +298,46 @@ def test_an_orbax_task_that_failed_on_a_full_disk_prints_no_traceback(caplog):
   assert _failed_task_logs("/site-packages/orbax/checkpoint/_src/save.py", caplog) == []
   assert [m.splitlines()[0] for m in _failed_task_logs("/elsewhere/job.py", caplog)] == [
       "Task exception was never retrieved"]  # anyone else's: still shown
+
+
+# The store stops answering during the last save: Orbax's wait for it never returns.
+_LAST_SAVE_HANGS = """
+import runpy, sys, time
+from toolkit.training import checkpoint
+close = checkpoint.Checkpoints.close
+def hanging_close(self, timeout_s=None):
+  if timeout_s is None:  # the run's own end, not the bounded close after a failure
+    self.manager.wait_until_finished = lambda: time.sleep(3600)
+  return close(self, timeout_s)
+checkpoint.Checkpoints.close = hanging_close
+sys.argv = ["toolkit.train", *sys.argv[1:]]
+runpy.run_module("toolkit.train", run_name="__main__")
+"""
+
+
+@pytest.mark.slow  # a tiny run, then the 3 s deadline: ~15 s quiet; make test is at its budget
+def test_a_last_save_that_never_finishes_is_one_storage_line_within_the_deadline(tmp_path):
+  """Issue 62: the wait for the last checkpoint (Checkpoints.close) ended only through the hang
+  watchdog (exit 75 after 631 s, then the thread stacks). It is bounded by
+  train.storage_timeout_s (plus twice the longest earlier save): one storage line, exit 1, the
+  earlier checkpoint intact."""
+  workdir = tmp_path / "w"
+  start = time.monotonic()
+  result = preloaded.run(code=_LAST_SAVE_HANGS, args=[
+      "--config=experiments/lm.py:tiny", f"--workdir={workdir}", "--config.train.steps=4",
+      "--config.train.checkpoint_every=2", "--config.train.eval_every=4",
+      "--config.train.storage_timeout_s=3", "--config.train.sample_tokens=0"],
+      env=dict(os.environ), timeout=300)
+  seconds = time.monotonic() - start
+  output = result.stdout + result.stderr
+  assert result.returncode == 1, output
+  assert "Traceback" not in output
+  errors = [line for line in output.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and errors[0].startswith(
+      f"error: the last checkpoint could not be written to {workdir}/checkpoints (no answer "
+      "within "), errors[0]
+  assert "the checkpoints committed before it are intact; check the network" in errors[0]
+  assert "raise train.storage_timeout_s" in errors[0]
+  # (Only the wait hangs here, so the last save may have committed too.)
+  assert 2 in checkpoint_steps(workdir)
+  assert seconds < 120, f"{seconds:.0f} s"  # a tiny run, then at most 3 s + 2 x its first save
