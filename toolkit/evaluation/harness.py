@@ -18,6 +18,8 @@ import difflib
 import importlib
 import logging
 import os
+import socket
+import urllib.parse
 from collections.abc import Sequence
 
 from toolkit.errors import ConfigError
@@ -121,13 +123,16 @@ def _relative_to(files, folder: str):
 def _build(manager, spec, name: str):
   """One spec through the harness's TaskManager (reading its data); one line for the
   failures a user can fix."""
+  if not (isinstance(spec, dict) and spec.get("dataset_path") in LOCAL_BUILDERS):
+    _offline_unless_the_hub_answers()
   try:
     built = manager.load([spec])
   except Exception as e:  # pylint: disable=broad-except
     if _unreachable(e):
+      why = _probe_failure or _first_line(e)
       raise ConfigError(
           f"task {name!r} needs its data from the Hugging Face Hub, which cannot be reached "
-          f"from here ({_first_line(e)}); run where the Hub is reachable, or evaluate a local "
+          f"from here ({why}); run where the Hub is reachable, or evaluate a local "
           f"task (a YAML file over local data, docs/evaluation.md)") from None
     if isinstance(e, FileNotFoundError):
       raise ConfigError(f"task {name!r}: {_first_line(e)}; check the data_files of its YAML "
@@ -142,6 +147,34 @@ def _build(manager, spec, name: str):
     return top[0] if len(top) == 1 else top
   tasks = list(built["tasks"].values())
   return tasks[0] if len(tasks) == 1 else tasks
+
+
+HUB_PROBE_TIMEOUT_S = 5.0
+# The datasets builders that read local files only (a task over data_files of its own).
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
+_probe_failure: str | None = None  # why the Hub was taken for unreachable, once it was
+
+
+def _offline_unless_the_hub_answers() -> None:
+  """Before a harness task that may read the Hub: when the Hub's endpoint takes no connection
+  within HUB_PROBE_TIMEOUT_S, Hugging Face's libraries go offline for this process (cached data
+  still loads) instead of retrying each request five times over ~30 s with a warning each."""
+  global _probe_failure  # pylint: disable=global-statement
+  import datasets  # pylint: disable=g-import-not-at-top
+  from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
+  if constants.HF_HUB_OFFLINE or datasets.config.HF_HUB_OFFLINE:
+    return
+  endpoint = urllib.parse.urlparse(constants.ENDPOINT)
+  try:
+    with socket.create_connection((endpoint.hostname, endpoint.port or (
+        443 if endpoint.scheme == "https" else 80)), timeout=HUB_PROBE_TIMEOUT_S):
+      return
+  except OSError as e:
+    _probe_failure = (f"{constants.ENDPOINT} took no connection within "
+                      f"{HUB_PROBE_TIMEOUT_S:g} s: {e.strerror or type(e).__name__}")
+  os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")  # and for child processes
+  constants.HF_HUB_OFFLINE = True
+  datasets.config.HF_HUB_OFFLINE = True
 
 
 def _unreachable(error: BaseException) -> bool:

@@ -28,9 +28,13 @@ doc_to_target: "{{answer}}"
 """
 
 
-def evaluate(*args: str):
-  env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-  return preloaded.run("toolkit.evaluate", args, env=env, timeout=TIMEOUT_S)
+def evaluate(*args: str, offline: bool = True):
+  env = {k: v for k, v in os.environ.items() if k not in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+  if offline:
+    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+  else:  # a Hub that takes no connection (nothing listens on the discard port)
+    env["HF_ENDPOINT"] = "http://127.0.0.1:9"
+  return preloaded.run("toolkit.evaluate", args, env=env, timeout=TIMEOUT_S, fresh=not offline)
 
 
 def test_mistakes_are_one_error_line(tmp_path):
@@ -73,3 +77,15 @@ def test_without_lm_eval_the_error_says_how_to_install_it(monkeypatch):
   monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
   with pytest.raises(ConfigError, match=r"pip install -e '\.\[eval\]'"):
     harness.require()
+
+
+def test_a_hub_task_without_the_hub_fails_fast_in_one_line(tmp_path):
+  """Not set offline, a task whose data is on an unreachable Hub printed 22 retry warnings
+  over ~30 s before its line: the Hub's endpoint is probed once (5 s at most), and the
+  libraries go offline when it takes no connection."""
+  (tmp_path / "remote.yaml").write_text(REMOTE_TASK)
+  result = evaluate("--config=experiments/lm.py:tiny", f"--checkpoint={tmp_path / 'run'}",
+                    f"--tasks={tmp_path / 'remote.yaml'}", offline=False)
+  line = the_error_line(result)  # nothing else on stderr: no retry warnings
+  assert "task 'remote_example' needs its data from the Hugging Face Hub" in line, line
+  assert "http://127.0.0.1:9 took no connection within 5 s" in line, line
