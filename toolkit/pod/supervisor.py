@@ -115,15 +115,22 @@ class Supervisor:
     self._resizing = False  # the supervisor stopped the job to restart it on more hosts
     self._started_unix = time.time()  # when `run` began (set again there)
 
+  @property
+  def stop_requested(self) -> bool:
+    return self._stop_requested
+
   def say(self, line: str) -> None:
     self.err.write(f"[supervise] {line}\n")
     self.err.flush()
 
   def request_stop(self) -> None:
-    """SIGINT/SIGTERM to the supervisor: the job stops after a step and saves; no restart."""
+    """SIGINT/SIGTERM to the supervisor: the job stops after a step and saves; no restart. Each
+    process gets SIGINT, as from a Ctrl-C of its own (toolkit/training/stop_signal.py), so a
+    second request hurries the stop as Ctrl-C twice does: each process saves the step it is in
+    and exits 130, which the supervisor passes on."""
     self._stop_requested = True
     if self.job is not None:
-      self.job.signal_all(signal.SIGTERM)
+      self.job.signal_all(signal.SIGINT)
 
   def run(self) -> int:
     """The job to its end; the exit status of its last attempt."""
@@ -363,7 +370,10 @@ def supervise(processes: int, devices_per_process: int, train_args: Sequence[str
 
   def handle(signum, frame):
     del frame
-    supervisor.say(f"{signal.Signals(signum).name}: stopping the job (it saves), no restart")
+    name = signal.Signals(signum).name
+    supervisor.say(f"{name} again: hurrying the job's stop (each process saves its step and "
+                   f"exits)" if supervisor.stop_requested else
+                   f"{name}: stopping the job (it saves), no restart; again to hurry it")
     supervisor.request_stop()
 
   previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -8,6 +8,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import time
 import types
 
 import pytest
@@ -163,3 +165,42 @@ def test_a_hang_exit_after_a_killed_peer_is_a_crash_and_before_it_a_hang():
                                            for code in (1, 75)], exit_times={0: 5.0, 1: 6.0})
   attempt.returncode = 1
   assert supervisor._classify(attempt, timed_out)[0] == "hang"
+
+
+@pytest.mark.slow  # a supervised 2 x 4 job to its fifth step, then two signals: ~40 s
+def test_ctrl_c_twice_hurries_the_supervised_job_and_exits_130(tmp_path):
+  """Issue 62: the second ^C under toolkit.supervise repeated its line and the job exited 0.
+  Now the job's processes get SIGINT each time, so the second one hurries the stop as Ctrl-C
+  twice does toolkit.train: each saves the step it is in and exits 130, passed on."""
+  workdir, log = tmp_path / "w", tmp_path / "log"
+  args = ["--processes=2", "--devices_per_process=4", "--", *TRAIN,
+          "--config.train.steps=100000", "--config.train.checkpoint_every=100000",
+          f"--workdir={workdir}"]
+  with open(log, "w") as out:
+    process = preloaded.start("toolkit.supervise", args, env=_shell_env(), stdout=out,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+      deadline = time.monotonic() + DRILL_TIMEOUT_S
+      while not re.search(r"^\[p0\] step 5/", log.read_text(), re.M):
+        assert process.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "no progress line before the deadline"
+        time.sleep(0.1)  # polling interval, not a wait for readiness
+      process.send_signal(signal.SIGINT)
+      while "stopping the job (it saves)" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+      process.send_signal(signal.SIGINT)
+      signalled = time.monotonic()
+      returncode = process.wait(timeout=120)
+      seconds = time.monotonic() - signalled
+    finally:
+      if process.poll() is None:
+        process.kill()
+        process.wait()
+  output = log.read_text()
+  assert returncode == 130, output[-3000:]
+  assert "[supervise] SIGINT: stopping the job (it saves), no restart; again to hurry it" \
+      in output
+  assert "[supervise] SIGINT again: hurrying the job's stop" in output, output[-3000:]
+  assert "Traceback" not in output
+  assert seconds < 60, f"{seconds:.0f} s"
