@@ -61,7 +61,9 @@ def cli() -> None:
       params, model_cfg, mesh, rules, step = restore.restore_params(config_flag.value,
                                                                      checkpoint_flag.value)
       codec = Codec.load(tokenizer_flag.value).check(model_cfg.vocab_size)
-      openai_protocol.chat_encoder(codec, chat_template_flag.value)  # fails before the warm-up
+      template = (chat_template_flag.value
+                  or openai_protocol.trained_chat_template(config_flag.value))
+      openai_protocol.chat_encoder(codec, template)  # fails before the warm-up
       try:
         defaults.validate(model_cfg.vocab_size)
         options = generate.engine_options(engine_flags)
@@ -81,7 +83,7 @@ def cli() -> None:
               "mesh": dict(mesh.shape), "rules": rules.name}
       model_name = model_name_flag.value or _workdir_name(checkpoint_flag.value)
       server = Server(batcher, defaults, host_flag.value, port_flag.value, timeout_flag.value,
-                      info, codec, model_name, chat_template_flag.value).start()
+                      info, codec, model_name, template).start()
     except (ConfigError, sharding.ShardingError, RequestError) as e:
       command_line.fail(e)
     _serve_until_stopped(server, model_name)
@@ -98,7 +100,8 @@ def _define_openai_flags():
                               "/v1/models); default: the checkpoint's workdir name, e.g. "
                               "lm_cpu."),
           flags.DEFINE_string("chat_template", "", "Jinja chat template (text or a .jinja "
-                              "file) for /v1/chat/completions; default: the --tokenizer "
+                              "file) for /v1/chat/completions; default: the one a fine-tune's "
+                              "config trained with (data.chat_template), else the --tokenizer "
                               "folder's, else a plain 'role: content' template."))
 
 

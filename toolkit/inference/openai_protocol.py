@@ -99,6 +99,7 @@ class ModelContext:
   codec: Codec                         # prompt text in, completion text out, EOS ids
   encode_chat: Callable[[list[dict]], np.ndarray]  # messages -> prompt ids (the template)
   draw_seed: Callable[[], int]         # a random seed in [0, 2**32)
+  end_of_turn: tuple[int, ...] = ()    # ends a chat answer: the template's end-of-turn token
   created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -299,7 +300,7 @@ def _stream_options(body: dict, stream: bool) -> bool:
 
 
 def _sampling(body: dict, prompts: list[np.ndarray], n: int, ctx: ModelContext,
-              max_tokens_field: str) -> list[SamplingParams]:
+              max_tokens_field: str, chat: bool = False) -> list[SamplingParams]:
   """SamplingParams of every choice (module docstring: defaults, seeds, stop ids)."""
   max_tokens = _int(body, max_tokens_field, 1)
   longest = max(len(p) for p in prompts)
@@ -317,7 +318,7 @@ def _sampling(body: dict, prompts: list[np.ndarray], n: int, ctx: ModelContext,
   stop_ids = [] if stop_ids is None else stop_ids
   if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
     raise _bad("'stop_token_ids' must be a list of token ids", "stop_token_ids")
-  eos = () if _bool(body, "ignore_eos") else ctx.codec.eos
+  eos = () if _bool(body, "ignore_eos") else ctx.codec.eos + (ctx.end_of_turn if chat else ())
   values = {"max_tokens": max_tokens or min(ctx.defaults.max_tokens, room),
             "temperature": _number(body, "temperature", 0, 2),
             "top_p": _number(body, "top_p", 0, 1, low_open=True),
@@ -345,7 +346,7 @@ def _job(body: dict, ctx: ModelContext, prompts: list[np.ndarray], chat: bool,
                f"request; send several requests", "n")
   stream = _bool(body, "stream")
   include_usage = _stream_options(body, stream)
-  return Job(chat, model, prompts, n, _sampling(body, prompts, n, ctx, max_tokens_field),
+  return Job(chat, model, prompts, n, _sampling(body, prompts, n, ctx, max_tokens_field, chat),
              _stop_strings(body), stream, include_usage)
 
 
@@ -390,26 +391,42 @@ def _has_template(folder: str) -> bool:
     return False  # ChatTokenizer.load names a broken file when it is read for a template
 
 
+def trained_chat_template(config) -> str:
+  """The chat template a fine-tune's data was rendered with (data.chat_template of an SFT, DPO
+  or GRPO config), so that its chat answers are prompted as it learned them; '' for none (the
+  tokenizer folder's, else the default)."""
+  data = config.data
+  if data.source not in ("chat", "preference", "prompts"):
+    return ""
+  return data.get("chat_template", "")
+
+
 def chat_encoder(codec: Codec, chat_template: str = ""
-                 ) -> tuple[Callable[[list[dict]], np.ndarray], str]:
-  """(messages -> prompt ids, which template that is) for `codec`'s model: `chat_template`
-  (Jinja text or a .jinja file) when given, else the tokenizer folder's template, else
-  DEFAULT_CHAT_TEMPLATE. Rendered as transformers' apply_chat_template renders it
-  (toolkit/data/chat_template.py), tokenized without adding special tokens (a template that
-  wants a BOS writes it)."""
+                 ) -> tuple[Callable[[list[dict]], np.ndarray], str, tuple[int, ...]]:
+  """(messages -> prompt ids, which template that is, the ids that end an answer) for `codec`'s
+  model: `chat_template` (Jinja text or a .jinja file) when given, else the tokenizer folder's
+  template, else DEFAULT_CHAT_TEMPLATE. Rendered as transformers' apply_chat_template renders
+  it (toolkit/data/chat_template.py), tokenized without adding special tokens (a template that
+  wants a BOS writes it). A model's own template ends an answer at its end-of-turn token, as
+  the model was trained to write it; the default template ends none (a model without one was
+  never trained on its turns)."""
   folder = "bytes"
   if not codec.byte_level:
     path = codec.tokenizer.path
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
   if chat_template or (folder != "bytes" and _has_template(folder)):
     chat = ChatTokenizer.load(folder, chat_template)
-    return chat.encode_prompt, chat.template.where
+    try:
+      end = (chat.end_of_turn(),)
+    except ConfigError:  # a template that writes nothing after an answer
+      end = ()
+    return chat.encode_prompt, chat.template.where, end
   template = ChatTemplate(DEFAULT_CHAT_TEMPLATE, where="the default chat template")
 
   def encode(messages: list[dict]) -> np.ndarray:
     rendered = template.render(messages, add_generation_prompt=True)
     return np.asarray(codec.tokenizer.encode(rendered), np.int32)
-  return encode, template.where
+  return encode, template.where, ()
 
 
 # --- responses -----------------------------------------------------------------------------

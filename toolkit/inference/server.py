@@ -84,12 +84,14 @@ class Service:
     self.histograms = Histograms()
     self.loop_alive = lambda: True
     self.started = time.time()
-    encode_chat, self.chat_template = openai_protocol.chat_encoder(codec, chat_template)
+    encode_chat, self.chat_template, end_of_turn = openai_protocol.chat_encoder(codec,
+                                                                                chat_template)
     seeds = random.Random()  # seeded from the OS: requests without a seed differ
     self.openai = OpenAIRoutes(self, openai_protocol.ModelContext(
         name=model_name, vocab_size=batcher.engine.model_cfg.vocab_size,
         max_model_len=batcher.engine.cache_length, defaults=defaults, codec=codec,
-        encode_chat=encode_chat, draw_seed=lambda: seeds.getrandbits(32)))
+        encode_chat=encode_chat, draw_seed=lambda: seeds.getrandbits(32),
+        end_of_turn=end_of_turn))
 
   def app(self) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES)

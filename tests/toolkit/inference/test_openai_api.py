@@ -30,6 +30,7 @@ from toolkit.inference import engine as engine_lib
 from toolkit.inference import openai_protocol
 from toolkit.inference import server as server_lib
 from toolkit.inference.codec import BYTE_LEVEL, Codec
+from toolkit.inference.sampling import SamplingParams
 from toolkit.inference.text_stream import TextStream
 
 openai = extras.require("openai")  # the test extra: the official client
@@ -106,8 +107,8 @@ def test_text_stream_holds_back_partial_characters_and_stop_strings():
 
 def test_chat_template_comes_from_the_flag_then_the_tokenizer_folder_then_the_default(tmp_path):
   messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-  encode, where = openai_protocol.chat_encoder(BYTE_LEVEL)
-  assert where == "the default chat template"
+  encode, where, end = openai_protocol.chat_encoder(BYTE_LEVEL)
+  assert where == "the default chat template" and end == ()  # never trained on its turns
   assert bytes(encode(messages).tolist()) == b"system: Be brief.\nuser: Hi\nassistant:"
   extras.require("tokenizers")  # the test extra: a Hugging Face tokenizer.json
   folder = tmp_path / "model"
@@ -118,12 +119,13 @@ def test_chat_template_comes_from_the_flag_then_the_tokenizer_folder_then_the_de
   (folder / "chat_template.jinja").write_text(
       "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
       "{% if add_generation_prompt %}[assistant]{% endif %}")
-  encode, where = openai_protocol.chat_encoder(codec)
+  encode, where, end = openai_protocol.chat_encoder(codec)
   assert where == str(folder / "chat_template.jinja")
+  assert end == tuple(codec.tokenizer.encode("\n")[:1])  # what the template writes after a turn
   # Tokenized without special tokens, as apply_chat_template(tokenize=True) does.
   rendered = "[system] Be brief.\n[user] Hi\n[assistant]"
   assert encode(messages).tolist() == codec.tokenizer.encode(rendered).tolist()
-  encode, _ = openai_protocol.chat_encoder(codec, "{{ messages[-1].content }}!")
+  encode, _, _ = openai_protocol.chat_encoder(codec, "{{ messages[-1].content }}!")
   assert codec.decode(encode(messages)) == codec.decode(codec.tokenizer.encode("Hi!"))
 
 
@@ -438,3 +440,28 @@ def test_bench_serve_quick_reports_every_column(server, tmp_path):
       assert runs[0]["long_prompt_len"] == 32 and runs[0]["itl_before_ms"]["p99"] > 0
       assert "long prompt of 32 tokens" in done.stdout
   assert plot.stat().st_size > 0
+
+
+def test_a_fine_tunes_template_is_served_and_ends_its_answers():
+  """Issue 62: toolkit.serve ignored an SFT config's chat template (a fine-tune scoring 100 %
+  answered 'ssisfantfs'), and answers ran past the end of the turn to max_tokens. The config's
+  template is the default, and a chat answer stops at its end-of-turn token; a completion and
+  a request with ignore_eos do not."""
+  from experiments import lm, sft  # pylint: disable=g-import-not-at-top
+  config = sft.get_config("cpu")
+  template = openai_protocol.trained_chat_template(config)
+  assert template and template == config.data.chat_template
+  assert openai_protocol.trained_chat_template(lm.get_config("cpu")) == ""
+  encode, _, end = openai_protocol.chat_encoder(BYTE_LEVEL, template)
+  assert end == (ord("\n"),)  # the byte template closes an answer with a line break
+  ctx = openai_protocol.ModelContext(
+      name=MODEL, vocab_size=256, max_model_len=64, defaults=SamplingParams(max_tokens=8),
+      codec=BYTE_LEVEL, encode_chat=encode, draw_seed=lambda: 0, end_of_turn=end)
+  messages = [{"role": "user", "content": "Repeat: cat"}]
+  chat = openai_protocol.parse_chat({"model": MODEL, "messages": messages}, ctx)
+  assert ord("\n") in chat.params[0].stop_tokens
+  raw = openai_protocol.parse_chat({"model": MODEL, "messages": messages, "ignore_eos": True},
+                                   ctx)
+  assert ord("\n") not in raw.params[0].stop_tokens
+  completion = openai_protocol.parse_completion({"model": MODEL, "prompt": "cat"}, ctx)
+  assert ord("\n") not in completion.params[0].stop_tokens
