@@ -64,6 +64,10 @@ def test_import_generate_export(original, tmp_path):
   assert sorted(before) == sorted(after) and all(
       np.array_equal(before[k], after[k]) for k in before)
   assert (out / "tokenizer.json").is_file()
+  # generation_config.json: the ids transformers' generate starts and stops with.
+  generation = reference.transformers.GenerationConfig.from_pretrained(str(out))
+  assert generation.bos_token_id == reference.tiny_hf_model.BOS
+  assert generation.eos_token_id == reference.tiny_hf_model.EOS
 
 
 def _edit_config(folder, change) -> None:

@@ -9,6 +9,7 @@ The output folder and the source folder may be gs:// URLs (a gs:// output is wri
 then uploaded: `output.staged`)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -24,7 +25,7 @@ from toolkit import hf
 from toolkit import workdir as workdir_lib
 from toolkit.conversion import adapters, output
 from toolkit.errors import ConfigError
-from toolkit.hf import folder as folder_lib
+from toolkit.hf import folder as folder_lib, writer as hf_writer
 from toolkit.training.checkpoint import open_latest
 from toolkit.training import config as config_lib, init_from, state as state_lib
 
@@ -162,6 +163,10 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None,
         workdir_lib.write_bytes(os.path.join(staging, name),
                                 workdir_lib.path(workdir_lib.join(source, name)).read_bytes())
         written.append(name)
+    if folder_lib.GENERATION_CONFIG not in written:  # the source folder's wins
+      hf_writer.write_json(os.path.join(staging, folder_lib.GENERATION_CONFIG),
+                           generation_config(hf_config, config))
+      written.append(folder_lib.GENERATION_CONFIG)
   merged = " (LoRA adapters merged)" if lora == "merge" else ""
   _log(f"exported step {step} of {workdir} to {out}{merged} ({', '.join(written)}) in "
        f"{time.perf_counter() - start:.1f} s")
@@ -179,11 +184,35 @@ def _check_lora_mode(model, lora: str, workdir: str) -> None:
                       f"(model.lora_rank=0); export it without {LORA_MODES[lora]}")
 
 
+def generation_config(hf_config: dict, config: ml_collections.ConfigDict) -> dict:
+  """generation_config.json: the ids generation starts and ends with, as transformers'
+  `generate` reads them. A chat fine-tune (SFT, DPO, GRPO data) also ends at its template's
+  end-of-turn token, as it learned to end an answer."""
+  ends = hf_config.get("eos_token_id")
+  ends = [] if ends is None else list(ends) if isinstance(ends, (list, tuple)) else [ends]
+  if config.data.source in ("chat", "preference", "prompts"):
+    from toolkit.data import chat  # pylint: disable=g-import-not-at-top  # imports Grain
+    tokenizer = chat.ChatTokenizer.load(chat.tokenizer_path(
+        config.data, config.train.get("init_from", "")), config.data.get("chat_template", ""))
+    with contextlib.suppress(ConfigError):  # a template that writes nothing after an answer
+      ends.append(tokenizer.end_of_turn())
+  generation = {"_from_model_config": True}
+  if hf_config.get("bos_token_id") is not None:
+    generation["bos_token_id"] = hf_config["bos_token_id"]
+  if ends:
+    generation["eos_token_id"] = ends[0] if len(ends) == 1 else list(dict.fromkeys(ends))
+  if hf_config.get("pad_token_id") is not None:
+    generation["pad_token_id"] = hf_config["pad_token_id"]
+  return generation
+
+
 def _base_folder(base: dict | None, source: str | None) -> str:
-  """The base a PEFT folder names: --hf_source, else the folder the run started from."""
-  if source:
-    return workdir_lib.absolute(source)
-  return init_from.parse((base or {}).get("init_from", "")) or ""
+  """The base a PEFT folder names: --hf_source, else the folder the run started from; a local
+  folder relative to the current directory, not an absolute path of this machine."""
+  folder = source or init_from.parse((base or {}).get("init_from", "")) or ""
+  if not folder or workdir_lib.is_url(folder):
+    return folder
+  return os.path.relpath(workdir_lib.absolute(folder))
 
 
 def _export_peft(workdir: str, out: str, step: int, model, params, base_model: str

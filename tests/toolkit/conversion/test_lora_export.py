@@ -74,7 +74,9 @@ def test_peft_export_loads_in_peft_with_meshkits_logits(tuned):
   written = conversion.export_checkpoint(str(root / "tuned"), str(out), lora="peft")
   assert sorted(written) == ["adapter_config.json", "adapter_model.safetensors"]
   adapter_config = json.loads((out / "adapter_config.json").read_text())
-  assert adapter_config["base_model_name_or_path"] == str(root / "hf")
+  # Relative to the current directory: no absolute path of this machine in a shared folder.
+  assert adapter_config["base_model_name_or_path"] == os.path.relpath(root / "hf")
+  assert not os.path.isabs(adapter_config["base_model_name_or_path"])
   assert (adapter_config["r"], adapter_config["lora_alpha"]) == (4, 8)
   tokens = reference.prompt(original.config.vocab_size, 64)
   base_logits = reference.hf_logits(original, tokens)

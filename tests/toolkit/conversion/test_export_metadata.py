@@ -1,6 +1,7 @@
-"""The model's context (toolkit.conversion.exporter.context_length): what its export's
-max_position_embeddings says, and so toolkit.evaluate's default --max_length, as the harness's
-`hf` backend reads it from the exported folder."""
+"""What an export says of its model beside the weights: its context
+(toolkit.conversion.exporter.context_length: the export's max_position_embeddings, and so
+toolkit.evaluate's default --max_length, as the harness's `hf` backend reads it), and the ids
+generation starts and ends with (generation_config.json)."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,3 +32,17 @@ def test_llama_3_scaled_rope_gives_its_scaled_context():
   model = dataclasses.replace(config_lib.model_config(config.model), rope_type="llama3",
                               rope_original_max_positions=64, rope_factor=8.0)
   assert exporter.context_length(model, config) == 512
+
+
+def test_a_chat_fine_tune_ends_generation_at_its_templates_end_of_turn():
+  """Issue 62: exports carried no generation_config.json, so transformers' generate of a chat
+  fine-tune ran past the end of its answer."""
+  from experiments import sft  # pylint: disable=g-import-not-at-top
+  plain = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
+  assert exporter.generation_config(plain, lm.get_config("tiny")) == {
+      "_from_model_config": True, "bos_token_id": 1, "eos_token_id": 2}
+  chat = exporter.generation_config(plain, sft.get_config("cpu"))
+  assert chat["eos_token_id"] == [2, ord("\n")]  # the byte template ends a turn with "\n"
+  byte_level = exporter.generation_config({}, sft.get_config("cpu"))
+  assert byte_level == {"_from_model_config": True, "eos_token_id": ord("\n")}
+
