@@ -41,3 +41,21 @@ def test_a_post_training_checkpoint_evaluates_and_generates(name, tmp_path, monk
   written = generation.run(config, str(tmp_path), prompt="The ", batch_size=8,
                            cache_length=32, defaults=SamplingParams(max_tokens=4))
   assert len(written) == 1 and len(written[0]["tokens"]) == 4, written
+
+
+@pytest.mark.parametrize("experiment", ["sft", "dpo", "grpo"])
+def test_a_fine_tune_of_a_byte_level_base_reads_its_text_as_bytes(experiment, tmp_path):
+  """Issue 62: an SFT config with base= (a Hugging Face folder without a tokenizer, as the
+  demo's export is) was refused by toolkit.evaluate with a message that contradicted itself
+  ("data.source='chat' (token ids, no tokenizer)"): its data was tokenized as bytes, the
+  documented fallback, and so is its evaluation."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  from tests.toolkit.hf import reference  # pylint: disable=g-import-not-at-top
+  from toolkit.evaluation import tokens  # pylint: disable=g-import-not-at-top
+  folder = tmp_path / "base"
+  reference.write_folder(folder)
+  for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    (folder / name).unlink(missing_ok=True)
+  config = importlib.import_module(f"experiments.{experiment}").get_config(f"cpu,base={folder}")
+  assert tokens.trained_with(config) == "bytes"
+  assert tokens.codec_for(config).byte_level
