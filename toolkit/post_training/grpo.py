@@ -35,6 +35,12 @@ from toolkit.training.setup import Setup
 Reward = Callable[[str, object], float]
 
 
+# What a progress line of `loss 0.0000 | grad_norm 0.000` means here, said once at start-up.
+ZERO_LOSS_NOTE = ("grpo: a step's loss and grad_norm are 0 when every completion of each of its "
+                  "prompts got the same reward (no advantage to learn from): watch the reward "
+                  "and the held-out solved share (loss.png plots both)")
+
+
 def load_reward(spec: str, field: str = "grpo.reward") -> Reward:
   """The callable `spec` names: "package.module:function" or "path/to/file.py:function"."""
   module_name, _, name = spec.rpartition(":")
@@ -108,7 +114,8 @@ class RolloutBatches:
         f"grpo: {self.prompts_per_batch} prompts a step x {s.generations} completions of up "
         f"to {s.max_tokens} tokens (temperature {s.temperature}), sampled on the training "
         f"mesh; reward {s.reward}; loss {s.loss}, beta {s.beta}, clip {s.epsilon}/"
-        f"{s.epsilon_high}, advantages scaled by {s.scale_rewards}")])
+        f"{s.epsilon_high}, advantages scaled by {s.scale_rewards}"),
+        ZERO_LOSS_NOTE])
 
   def observe(self, state) -> None:
     """The state the next batch is sampled from. Returns once its parameters are computed: the

@@ -281,7 +281,17 @@ def plot_loss_curve(metrics_path: str, png_path: str, units: Units = Units()) ->
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+  curves = _task_curves(records)
+  if curves:  # post-training: its loss says little alone (GRPO's is 0 on most steps)
+    fig, (ax, task) = plt.subplots(1, 2, figsize=(12, 4), dpi=120)
+    for label, points, style in curves:
+      task.plot([s for s, _ in points], [v for _, v in points], style, label=label)
+    task.set_xlabel("step")
+    task.set_ylim(-0.02, 1.02)
+    task.grid(alpha=0.3)
+    task.legend(loc="best", fontsize=8)
+  else:
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
   _draw_losses(ax, records, units)
   ax.set_title(os.path.basename(os.path.dirname(workdir_lib.absolute(metrics_path))))
   accuracy = _points(records, "eval", "accuracy")
@@ -300,6 +310,22 @@ def plot_loss_curve(metrics_path: str, png_path: str, units: Units = Units()) ->
   save_figure(fig, png_path)
   plt.close(fig)
   return png_path
+
+
+# Post-training's measures of progress beside its loss: (record kind, field, label, style).
+_TASK_CURVES = (("train", "reward", "train mean reward (GRPO)", "-"),
+                ("eval", "reward", "held-out mean reward (GRPO)", "o-"),
+                ("eval", "solved", "held-out solved share (GRPO)", "s-"),
+                ("train", "preference_accuracy", "train preference accuracy (DPO)", "-"),
+                ("eval", "preference_accuracy", "held-out preference accuracy (DPO)", "o-"),
+                ("eval", "choice_accuracy", "held-out: policy prefers chosen (DPO)", "s-"))
+
+
+def _task_curves(records: list[dict]) -> list[tuple[str, list, str]]:
+  """(label, points, style) of each of _TASK_CURVES the records hold."""
+  found = [(label, _points(records, kind, name), style)
+           for kind, name, label, style in _TASK_CURVES]
+  return [curve for curve in found if curve[1]]
 
 
 def _draw_losses(ax, records: list[dict], units: Units) -> None:

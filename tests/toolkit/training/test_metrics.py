@@ -92,6 +92,35 @@ def test_losses_carry_one_unit_on_the_console_and_in_the_plot(tmp_path, monkeypa
   assert _y_labels(figures[-1]) == ["loss (nats per image)", "eval accuracy"]
 
 
+def test_post_training_plots_its_measures_of_progress_beside_the_loss(tmp_path, monkeypatch):
+  """Issue 62: GRPO's loss.png was a flat line at 0 (its loss is 0 on a step whose groups all
+  scored alike). Beside the loss it now plots the reward and the held-out solved share, and
+  DPO's the preference accuracies."""
+  from toolkit.post_training import grpo  # pylint: disable=g-import-not-at-top
+  from toolkit.training import metrics  # pylint: disable=g-import-not-at-top
+  figures = []
+  monkeypatch.setattr(metrics, "save_figure", lambda fig, path: figures.append(fig))
+  runs = {
+      "grpo": ([{"step": s, "kind": "train", "loss": 0.0, "reward": 0.1 * s} for s in (1, 2)]
+               + [{"step": s, "kind": "eval", "reward": r, "solved": r, "prompts": 8.0}
+                  for s, r in ((0, 0.25), (2, 0.5))],
+               ["train mean reward (GRPO)", "held-out mean reward (GRPO)",
+                "held-out solved share (GRPO)"]),
+      "dpo": ([{"step": s, "kind": "train", "loss": 0.7, "preference_accuracy": 0.5}
+               for s in (1, 2)]
+              + [{"step": 2, "kind": "eval", "loss": 0.6, "preference_accuracy": 0.75,
+                  "choice_accuracy": 0.625}],
+              ["train preference accuracy (DPO)", "held-out preference accuracy (DPO)",
+               "held-out: policy prefers chosen (DPO)"])}
+  for name, (records, labels) in runs.items():
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    metrics.plot_loss_curve(str(path), str(tmp_path / "loss.png"))
+    axes = figures[-1].axes
+    assert [line.get_label() for line in axes[-1].get_lines()] == labels, name
+  assert "loss and grad_norm are 0 when every completion" in grpo.ZERO_LOSS_NOTE
+
+
 @pytest.mark.parametrize("source, tokenizer, unit", [
     ("stdlib_docs", None, "byte"), ("synthetic", None, "token"), ("tokens", "bytes", "byte"),
     ("tokens", "path/to/tokenizer.json", "token")])
