@@ -72,6 +72,10 @@ def process_command(process_id: int, processes: int, port: int,
           f"--num_processes={processes}", f"--process_id={process_id}", *train_args]
 
 
+# An absl/C++ log line of JAX's runtime at ERROR or FATAL ("E1207 14:43:10.018011 ...").
+_RUNTIME_LOG = re.compile(r"^[EF]\d{4} \d\d:\d\d:\d\d")
+
+
 def describe_status(returncode: int) -> str:
   if returncode < 0:
     return f"killed by {signal.Signals(-returncode).name}"
@@ -83,7 +87,8 @@ class Pod:
 
   def __init__(self, processes: int, devices_per_process: int, train_args: Sequence[str], *,
                grace_s: float = 30.0, port: int | None = None, environ=None,
-               out: TextIO | None = None, err: TextIO | None = None, cwd: str = REPO):
+               out: TextIO | None = None, err: TextIO | None = None, cwd: str = REPO,
+               log: TextIO | None = None):
     if processes < 1 or devices_per_process < 1:
       raise ValueError("processes and devices_per_process must be >= 1")
     self.count, self.grace_s = processes, grace_s
@@ -92,6 +97,7 @@ class Pod:
     self.commands = [process_command(i, processes, self.port, train_args)
                      for i in range(processes)]
     self.cwd, self.out, self.err = cwd, out or sys.stdout, err or sys.stderr
+    self.log = log  # every line of every process, the ones kept off the terminal included
     self.procs: list[subprocess.Popen] = []
     self.lines: list[list[str]] = [[] for _ in range(processes)]  # every line, per process
     self.exit_times: dict[int, float] = {}  # process -> time.monotonic() it was seen to exit
@@ -124,14 +130,23 @@ class Pod:
     after_gloo = False
     for line in stream:
       with self._lock:
+        text = f"[p{i}] {line if line.endswith(chr(10)) else line + chr(10)}"
         self.lines[i].append(line.rstrip("\n"))
+        if self.log is not None:
+          self.log.write(text)
+          self.log.flush()
         if i == 0 and self.first_progress_at is None and _PROGRESS.match(line):
           self.first_progress_at = time.monotonic()
         after_gloo = is_gloo_noise(line.rstrip("\n"), after_gloo)
         if after_gloo:
           continue  # one line per device and communicator: noise, kept in self.lines only
-        sink.write(f"[p{i}] {line if line.endswith(chr(10)) else line + chr(10)}")
+        if self.log is not None and _RUNTIME_LOG.match(line) and self._a_peer_exited(i):
+          continue  # JAX's E/F lines about the peer that died: the log has them
+        sink.write(text)
         sink.flush()
+
+  def _a_peer_exited(self, i: int) -> bool:
+    return any(p.process_id != i and p.poll() is not None for p in self.procs)
 
   def output(self, i: int) -> str:
     with self._lock:

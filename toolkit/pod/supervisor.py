@@ -66,6 +66,7 @@ class Attempt:
   first_progress: float | None = None  # when its first progress line arrived
   restored: int | None = None  # the step it resumed from (None: from scratch)
   last_step: int = 0  # the last step it logged
+  log: str = ""  # WORKDIR/attempts/N.log: all its processes printed
   step_seconds: float = 0.0  # the step time of its last progress line
   cause: str = ""
   size: elastic.Size = elastic.Size(1)  # its processes and micro-batches
@@ -149,9 +150,10 @@ class Supervisor:
         self.say(f"{attempt.cause} ({attempt.detail}) after {restarts - 1} restart(s): giving "
                  f"up (--max_restarts={self.max_restarts}); rerun the same command to resume")
         break
+      log = (f" (its output: {attempt.log})" if attempt.log else "")
       self.say(f"restart {restarts} of {self.max_restarts} after a {attempt.cause} "
                f"({attempt.detail}) at step {attempt.last_step}: starting the job again from "
-               f"its newest checkpoint")
+               f"its newest checkpoint{log}")
       time.sleep(self.restart_delay_s)
       size = self._size(attempt)
     if not self.attempts:
@@ -203,10 +205,12 @@ class Supervisor:
 
   def _attempt(self, number: int, size: elastic.Size) -> Attempt:
     attempt = Attempt(number, time.monotonic(), size=size)
+    log = self._attempt_log(number)
+    attempt.log = log.name if log is not None else ""
     job = local.Pod(size.processes, self.devices_per_process,
                     elastic.with_size(self.train_args, size),
                     grace_s=self.grace_s, environ=self._job_environ(attempt), out=self.out,
-                    err=self.err)
+                    err=self.err, log=log)
     self.job, self._resizing = job, False
     previous = self.attempts[-1] if self.attempts else None
     watcher = threading.Thread(target=self._announce_recovery, args=(previous, job),
@@ -222,6 +226,8 @@ class Supervisor:
     finally:
       job.close()
       self.job = None
+      if log is not None:
+        log.close()
     watcher.join(5)
     if grower.is_alive():
       grower.join(self.poll_s + 5)
@@ -229,6 +235,19 @@ class Supervisor:
     self._read_output(attempt, job)
     attempt.cause, attempt.detail = self._classify(attempt, job)
     return attempt
+
+  def _attempt_log(self, number: int):
+    """WORKDIR/attempts/N.log, every line attempt N's processes printed (the runtime's error
+    lines about a peer that died are kept out of the terminal, there), open for writing; None
+    without a local workdir."""
+    if self.workdir is None or workdir_lib.is_url(self.workdir):
+      return None
+    folder = os.path.join(self.workdir, "attempts")
+    try:
+      os.makedirs(folder, exist_ok=True)
+      return open(os.path.join(folder, f"{number}.log"), "w", encoding="utf-8")
+    except OSError:
+      return None  # the job's own start reports an unusable workdir in one line
 
   def _grow_when_hosts_return(self, size: elastic.Size, job: local.Pod) -> None:
     """While `job` runs on fewer processes than asked: once the hosts file lists enough hosts

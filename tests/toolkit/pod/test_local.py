@@ -24,3 +24,33 @@ def test_gloo_lines_and_their_interleaved_pieces_are_dropped():
 
 def test_blank_and_numeric_lines_of_the_program_itself_are_kept():
   assert forwarded(["sample:", "", "12", "The end"]) == ["sample:", "", "12", "The end"]
+
+
+def test_a_dead_peers_runtime_errors_go_to_the_log_not_the_terminal(tmp_path):
+  """Issue 62: when a peer is killed, JAX's runtime in the survivors prints E/F log lines about
+  it (the coordination service, the collectives); under the supervisor they are kept out of
+  the terminal, in the attempt's log, which holds every line. Before a peer died they show."""
+  import io  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  survivor = ("import sys, time\n"
+              "print('E1207 12:00:00.000000 1 a.cc:1] before any peer died', file=sys.stderr, "
+              "flush=True)\n"
+              "time.sleep(3)\n"  # the peer below has exited by then
+              "print('F1207 12:00:03.000000 1 b.cc:2] the peer stopped sending heartbeats', "
+              "file=sys.stderr, flush=True)\n"
+              "print('step 1/2 | plain output', flush=True)\n"
+              "sys.exit(1)\n")
+  err, out, log = io.StringIO(), io.StringIO(), io.StringIO()
+  job = pod.Pod(2, 1, [], out=out, err=err, log=log, cwd=str(tmp_path))
+  job.commands = [[sys.executable, "-c", survivor], [sys.executable, "-c", "raise SystemExit(3)"]]
+  job.start()
+  try:
+    job.wait(timeout_s=60)
+  finally:
+    job.close()
+  terminal = err.getvalue() + out.getvalue()
+  assert "before any peer died" in terminal
+  assert "the peer stopped sending heartbeats" not in terminal
+  assert "[p0] F1207 12:00:03.000000 1 b.cc:2] the peer stopped sending heartbeats" in \
+      log.getvalue()
+  assert "[p0] step 1/2 | plain output" in terminal and "[p0] step 1/2" in log.getvalue()

@@ -204,3 +204,5 @@ def test_ctrl_c_twice_hurries_the_supervised_job_and_exits_130(tmp_path):
   assert "[supervise] SIGINT again: hurrying the job's stop" in output, output[-3000:]
   assert "Traceback" not in output
   assert seconds < 60, f"{seconds:.0f} s"
+  # The attempt's log holds every line its processes printed.
+  assert re.search(r"^\[p0\] step 5/", (workdir / "attempts" / "1.log").read_text(), re.M)
