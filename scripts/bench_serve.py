@@ -297,7 +297,8 @@ async def run_long_prompt(url: str, running: list[dict], long_body: dict) -> dic
 # --- the server ----------------------------------------------------------------------------
 
 class StartedServer:
-  """`python -m toolkit.serve` on 127.0.0.1 and a free port; `url` once it listens."""
+  """`python -m toolkit.serve` on 127.0.0.1 and a free port; `url` once it listens. Its
+  start-up lines (the warm-up compile's, ~30 s) are shown as they come, marked [server]."""
 
   def __init__(self, serve_flags: str, timeout_s: float):
     argv = [sys.executable, "-m", "toolkit.serve", *shlex.split(serve_flags),
@@ -322,6 +323,7 @@ class StartedServer:
       if (found := re.match(r"serving on (http://\S+) ", line)):
         self.url = found.group(1)
         return
+      print(f"[server] {line}", end="", flush=True)  # its start-up: the compile's progress
 
   def _read(self) -> None:
     for line in self.process.stdout:  # drained to the end, so the server never blocks on it

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+import time
 from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
@@ -35,6 +38,7 @@ from toolkit.evaluation.scoring import Scorer
 from toolkit.inference import engine as engine_lib
 from toolkit.inference.codec import Codec
 from toolkit.inference.sampling import SamplingParams
+from toolkit.training import metrics as metrics_lib
 
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's default for tasks that set none (HFLM's)
 NEWLINE = 10  # byte-level models without an end-of-text token: the prefix of an empty context
@@ -171,7 +175,7 @@ class MeshkitLM(TemplateLM):
       ids = self.tok_encode(context, left_truncate_len=self._max_length - max_new)
       prompts.append(np.asarray(ids or [self.prefix_token_id], np.int32))
     tokens = generate_with_stops(self.engine, prompts, params, self.generate_batch, until,
-                                 self.codec.decode, self.options)
+                                 self.codec.decode, self.options, progress=_say_progress)
     return [postprocess_generated_text(self.codec.decode(t), until, None) for t in tokens]
 
   def _sampling(self, kwargs: dict, max_new: int) -> list[SamplingParams] | SamplingParams:
@@ -183,14 +187,29 @@ class MeshkitLM(TemplateLM):
     return self.codec.stop_at_eos(params)
 
 
+PROGRESS_EVERY_S = 10.0  # how often a long generation says how far it is
+
+
+def _say_progress(done: int, total: int, tokens: int, seconds: float) -> None:
+  """One line on stderr (process 0): requests done, tokens/s, and the time left."""
+  if jax.process_index() != 0:
+    return
+  left = "ETA " + metrics_lib.format_duration(seconds / done * (total - done)) if done else ""
+  print(f"generating: {done}/{total} requests, {tokens / max(seconds, 1e-9):,.0f} tokens/s"
+        + (f", {left}" if left else ""), file=sys.stderr, flush=True)
+
+
 def generate_with_stops(engine: engine_lib.Engine, prompts: list[np.ndarray],
                         params: SamplingParams, batch_size: int, until: Sequence[str],
                         decode: Callable[[list[int]], str],
-                        options: engine_lib.Options = engine_lib.Options()) -> list[list[int]]:
+                        options: engine_lib.Options = engine_lib.Options(),
+                        progress: Callable[[int, int, int, float], None] | None = None
+                        ) -> list[list[int]]:
   """Each prompt's new tokens (without a stop token), with continuous batching of up to
   `batch_size` requests; a request ends early once its decoded text holds a stop string
   (the caller cuts the text there), which frees its place for the next prompt. Request i
-  samples with seed params.seed + i."""
+  samples with seed params.seed + i. `progress(done, total, tokens, seconds)` is called every
+  PROGRESS_EVERY_S while it runs."""
   if not prompts:
     return []
   batch_size = min(batch_size, engine.prefill_rows(len(prompts), batch_size))
@@ -216,8 +235,12 @@ def generate_with_stops(engine: engine_lib.Engine, prompts: list[np.ndarray],
       batcher.submit(request)
     except engine_lib.RequestError as e:
       raise ConfigError(f"a generation request does not fit the engine: {e}") from None
+  start = last = time.monotonic()
   while batcher.step():
-    pass
+    if progress is not None and time.monotonic() - last >= PROGRESS_EVERY_S:
+      last = time.monotonic()
+      progress(sum(r is not None for r in finished), len(prompts), sum(map(len, tokens)),
+               last - start)
   errors = [r.error for r in finished if r is not None and r.error]
   if errors:
     raise RuntimeError(f"generation failed: {errors[0]}")

@@ -7,6 +7,7 @@ sharded over 8 devices (fsdp 4 x tensor 2)."""
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -135,3 +136,19 @@ def test_a_generation_task_gets_the_harness_256_new_tokens_where_they_fit(models
   roomy = MeshkitLM.__new__(MeshkitLM)
   roomy._max_length = 2048  # pylint: disable=protected-access
   assert roomy.max_gen_toks == 256
+
+
+def test_a_long_generation_says_how_far_it_is(models, monkeypatch, capsys):
+  """Issue 62: the harness's generation ran ~40 s without a word. Every PROGRESS_EVERY_S it
+  says the requests done, tokens/s and the time left."""
+  from toolkit.evaluation import model as model_lib  # pylint: disable=g-import-not-at-top
+  meshkit, _ = models
+  monkeypatch.setattr(model_lib, "PROGRESS_EVERY_S", 0.0)  # a line after every step
+  meshkit.generate_until([Instance("generate_until", {}, (f"{i} + {i} =", {"until": ["\n"],
+                                                                          "max_gen_toks": 8}), i)
+                          for i in range(12)])
+  lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("generating: ")]
+  assert lines and all(re.fullmatch(r"generating: \d+/12 requests, [\d,]+ tokens/s(, ETA .+)?",
+                                    l) for l in lines), lines
+  done = [int(re.match(r"generating: (\d+)/", l).group(1)) for l in lines]
+  assert done == sorted(done), done
