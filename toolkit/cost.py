@@ -90,6 +90,8 @@ def run(config, flag_values: dict, log=print) -> int:
     raise ValueError(f"--tokens={flag_values['tokens']:g}: give the token budget, a positive "
                      f"number such as 1e12")
   deadline_h = parse_deadline(flag_values["deadline"])
+  shape = report.model_shape(config)
+  log(f"model: {shape}")
   table = _load_prices(flag_values["prices"])
   targets = [layouts_lib.parse_target(n) for n in flag_values["targets"]]
   devices = jax.devices("cpu")
@@ -131,8 +133,8 @@ def run(config, flag_values: dict, log=print) -> int:
   for source, keys in used.items():
     print(f"prices of {', '.join(keys)}: {source}")
   if flag_values["png"]:
-    title = f"{flag_values['config_name']}: {tokens:.3g} tokens"
-    print(f"plot: {report.plot(options, front, flag_values['png'], title)}")
+    title = f"{flag_values['config_name']} ({shape}): {tokens:.3g} tokens"
+    print(f"plot: {report.plot(options, front, flag_values['png'], title, deadline_h)}")
   if flag_values["json"]:
     data = {"tokens": tokens, "rank_by": flag_values["rank_by"], "deadline_h": deadline_h,
             "compute_efficiency": flag_values["compute_efficiency"],

@@ -2,6 +2,8 @@
 front marked."""
 from __future__ import annotations
 
+import math
+import textwrap
 from collections.abc import Sequence
 
 from toolkit.costing import economics
@@ -45,9 +47,33 @@ def format_table(ranked: Sequence[economics.Option], layouts: dict, front: set,
                    for r in rows)
 
 
+def model_shape(config) -> str:
+  """The shape of `config`'s model in a few words, with its parameter count: what a custom
+  shape (--config.model.FIELD overrides) is ranked for."""
+  from toolkit.training import config as config_lib  # pylint: disable=g-import-not-at-top
+  model = config_lib.model_config(config.model)
+  experts = f", {model.n_experts} experts" if getattr(model, "n_experts", 0) else ""
+  return (f"{model.num_params() / 1e9:.2f} B parameters: d_model {model.d_model}, "
+          f"{model.n_layers} layers, {model.n_heads} heads, MLP {model.mlp_dim}{experts}, "
+          f"vocab {model.vocab_size}, sequence {config.data.seq_len}")
+
+
+def _label_offsets(options: Sequence[economics.Option]) -> list[tuple[int, int]]:
+  """Each point's label offset in points: below the earlier labels of points close to it (in
+  log-log space), so no two labels print over each other."""
+  placed, offsets = [], []
+  for o in options:
+    near = sum(abs(math.log10(o.hours / p.hours)) < 0.08
+               and abs(math.log10(o.dollars / p.dollars)) < 0.08 for p in placed)
+    offsets.append((4, 3 - 9 * near))
+    placed.append(o)
+  return offsets
+
+
 def plot(options: Sequence[economics.Option], front: Sequence[economics.Option], path: str,
-         title: str) -> str:
-  """Time to the budget against its cost, one point per target and mode, the front joined."""
+         title: str, deadline_h: float | None = None) -> str:
+  """Time to the budget against its cost, one point per target and mode, the front joined,
+  and the deadline (when given) as a vertical line."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt, ticker  # pylint: disable=g-import-not-at-top
@@ -55,11 +81,14 @@ def plot(options: Sequence[economics.Option], front: Sequence[economics.Option],
   fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
   modes = sorted({o.mode for o in options})
   markers = dict(zip(modes, "osD^"))
-  for o in options:
+  for o, offset in zip(options, _label_offsets(options)):
     ax.scatter(o.hours / 24, o.dollars, marker=markers[o.mode], s=36,
                color="tab:red" if o in front else "tab:gray")
     ax.annotate(f"{o.target} {o.mode}", (o.hours / 24, o.dollars), fontsize=7,
-                xytext=(4, 3), textcoords="offset points")
+                xytext=offset, textcoords="offset points")
+  if deadline_h:
+    ax.axvline(deadline_h / 24, color="tab:blue", ls="--", lw=1,
+               label=f"deadline: {deadline_h / 24:g} days")
   ax.plot([o.hours / 24 for o in front], [o.dollars for o in front], "-", color="tab:red",
           lw=1, label="Pareto front: no option is both faster and cheaper")
   for mode in modes:
@@ -73,7 +102,7 @@ def plot(options: Sequence[economics.Option], front: Sequence[economics.Option],
   ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: _money(v)))
   ax.yaxis.set_minor_formatter(ticker.FuncFormatter(lambda v, _: _money(v)))
   ax.tick_params(which="minor", labelsize=7)
-  ax.set_title(title, fontsize=9)
+  ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)
   ax.grid(alpha=0.3, which="both")
   ax.legend(fontsize=7)
   fig.tight_layout()

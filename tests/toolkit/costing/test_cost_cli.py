@@ -67,6 +67,34 @@ def test_the_ranking_table_json_and_plot(ranked):
   assert "ranked by dollars" in output and "prices of v5e, h100: test quote, read 2026-12-01" \
       in output, output
   assert "chips by deadline" in output
+  # The shape it ranked, with its parameter count (issue 62: a custom shape never said it).
+  assert "model: 1.2" in result.stderr + output and " B parameters: d_model " in \
+      result.stderr + output
+
+
+def test_the_plot_names_the_shape_draws_the_deadline_and_keeps_labels_apart(monkeypatch,
+                                                                            tmp_path):
+  from experiments import lm  # pylint: disable=g-import-not-at-top
+  from toolkit.costing import report  # pylint: disable=g-import-not-at-top
+  from toolkit.training import metrics  # pylint: disable=g-import-not-at-top
+  config = lm.get_config("size=1b")
+  config.model.n_layers = 3  # a custom shape
+  shape = report.model_shape(config)
+  assert ", 3 layers," in shape and shape.endswith(f"sequence {config.data.seq_len}")
+  figures = []
+  monkeypatch.setattr(metrics, "save_figure", lambda fig, path: figures.append(fig))
+  option = lambda target, mode, hours, dollars: economics.Option(  # noqa: E731
+      target=target, mode=mode, chips=8, tokens_per_second=1e11 / (hours * 3600), goodput=1.0,
+      dollars_per_chip_hour=dollars / (hours * 8), tokens=1e11)
+  options = [option("a", "on_demand", 100.0, 1e4), option("b", "on_demand", 101.0, 1.01e4),
+             option("c", "spot", 400.0, 5e3)]
+  report.plot(options, options[:1], str(tmp_path / "p.png"), f"lm ({shape}): 1e+11 tokens",
+              deadline_h=48.0)
+  ax = figures[-1].axes[0]
+  assert "3 layers" in ax.get_title()
+  assert any(line.get_label() == "deadline: 2 days" for line in ax.get_lines())
+  offsets = [text.xyann for text in ax.texts]
+  assert offsets[0] != offsets[1] and offsets[2] == offsets[0]  # a and b close; c alone
 
 
 def test_a_cheaper_price_moves_a_target_up(ranked, tmp_path):
