@@ -76,6 +76,15 @@ def process_command(process_id: int, processes: int, port: int,
 _RUNTIME_LOG = re.compile(r"^[EF]\d{4} \d\d:\d\d:\d\d")
 
 
+def _is_stopped(pid: int) -> bool:
+  """Whether process `pid` is stopped (state T or t in /proc; False where there is none)."""
+  try:
+    with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+  except (OSError, IndexError):
+    return False
+
+
 def describe_status(returncode: int) -> str:
   if returncode < 0:
     return f"killed by {signal.Signals(-returncode).name}"
@@ -101,6 +110,7 @@ class Pod:
     self.procs: list[subprocess.Popen] = []
     self.lines: list[list[str]] = [[] for _ in range(processes)]  # every line, per process
     self.exit_times: dict[int, float] = {}  # process -> time.monotonic() it was seen to exit
+    self.stopped: set[int] = set()  # processes found stopped (SIGSTOP) when the rest were ended
     self._lock = threading.RLock()  # the signal handler writes too, in the main thread
     self._pumps: list[threading.Thread] = []
     self._signals = 0
@@ -214,6 +224,10 @@ class Pod:
         deadline = None
       elif failed_at is not None and now - failed_at > self.grace_s + (5 if terminated else 0):
         if not terminated:
+          self.stopped = {p.process_id for p in self.procs
+                          if p.poll() is None and _is_stopped(p.pid)}
+          for i in sorted(self.stopped):
+            self._note(f"p{i} is stopped (SIGSTOP, or a debugger): it made no progress")
           self._note(f"a process failed {self.grace_s:.0f} s ago: terminating the rest")
           self.signal_all(signal.SIGTERM)
           terminated = True

@@ -313,6 +313,8 @@ class Supervisor:
     first = job.procs[failed].returncode
     if code == HANG_EXIT or first == HANG_EXIT:
       return "hang", self._hang_detail(attempt) or detail
+    if getattr(job, "stopped", None):  # a peer that could not run: the others timed out on it
+      return "hang", f"p{min(job.stopped)} stopped: no progress (its peers: {detail})"
     if first is not None and first < 0:
       return "crash", detail  # killed first: a peer's watchdog that fired after is its effect
     # A hung process's peers can fail first on the CPU's collective timeout (exit 1).

@@ -54,3 +54,32 @@ def test_a_dead_peers_runtime_errors_go_to_the_log_not_the_terminal(tmp_path):
   assert "[p0] F1207 12:00:03.000000 1 b.cc:2] the peer stopped sending heartbeats" in \
       log.getvalue()
   assert "[p0] step 1/2 | plain output" in terminal and "[p0] step 1/2" in log.getvalue()
+
+
+def test_a_stopped_peer_is_named_when_the_others_end(tmp_path):
+  """Issue 62: a peer stopped by SIGSTOP makes the others fail (their collectives time out,
+  exit 1) and was reported as a crash. The pod notes the stopped process when it ends the
+  rest; the supervisor calls that a hang."""
+  import io  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  from toolkit.pod import supervisor as supervisor_lib  # pylint: disable=g-import-not-at-top
+  err = io.StringIO()
+  job = pod.Pod(2, 1, [], out=io.StringIO(), err=err, grace_s=1.0, cwd=str(tmp_path))
+  job.commands = [[sys.executable, "-c", "import time; time.sleep(1); raise SystemExit(1)"],
+                  [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), "
+                                         "signal.SIGSTOP)"]]
+  job.start()
+  try:
+    assert job.wait(timeout_s=60) == 1
+  finally:
+    job.close()
+  assert job.stopped == {1}
+  assert "[pod] p1 is stopped (SIGSTOP, or a debugger): it made no progress" in err.getvalue()
+  supervisor = supervisor_lib.Supervisor(2, 1, ["--config=experiments/lm.py:tiny"])
+  attempt = supervisor_lib.Attempt(1, 0.0, returncode=1, first_progress=1.0)
+  assert supervisor._classify(attempt, job) == (
+      "hang", "p1 stopped: no progress (its peers: p0 exit status 1)")
+  # Without a stopped process the same exit is a crash, as before.
+  crashed = types.SimpleNamespace(procs=job.procs, exit_times=job.exit_times, stopped=set())
+  assert supervisor._classify(attempt, crashed)[0] == "crash"
