@@ -36,6 +36,7 @@ def train(config: str, steps: int, folder: str, hugepages: bool,
   tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":")
               if t and not t.startswith("glibc.malloc.hugetlb")]
   env["GLIBC_TUNABLES"] = ":".join(tunables + ([SETTING] if hugepages else []))
+  env["MESHKIT_HUGE_PAGES"] = "1" if hugepages else "0"  # else the command adds it itself
   workdir = os.path.join(folder, "run")
   started = time.perf_counter()
   command = [sys.executable, "-m", "toolkit.train", f"--config={config}", f"--workdir={workdir}",

@@ -25,7 +25,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("sharding", "models", "toolkit", "experiments", "scripts")
 SHARED = {"toolkit", "toolkit.errors", "toolkit.accelerators", "toolkit.workdir",
-          "toolkit.runtime", "toolkit.command_line", "toolkit.xla_flags"}
+          "toolkit.runtime", "toolkit.command_line", "toolkit.xla_flags", "toolkit.allocator"}
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 80
 
 
