@@ -23,12 +23,13 @@ CASES = [
      ["toolkit.train", TINY, "--workdir={T}/w", b"--config.train.sample_prompt=x\xff"], {},
      "error: train.sample_prompt is not valid UTF-8 text (byte 0xff at character 1 is not "
      "UTF-8); give the prompt in UTF-8"),
+    # toolkit.train checks the plugin before JAX starts (issue 62: JAX skips a missing `cuda`
+    # in JAX_PLATFORMS=cuda,cpu and runs on the CPU).
     ("train_platform_absent", ["toolkit.train", TINY, "--workdir={T}/w"],
      {"JAX_PLATFORMS": "cuda"},
-     "error: JAX_PLATFORMS='cuda' asks for a platform JAX cannot start here (its devices or its "
-     "JAX plugin are missing); unset JAX_PLATFORMS to use the devices this machine has, or "
-     "install that platform's JAX plugin on a machine that has it (e.g. pip install "
-     "'jax[cuda12]')"),
+     "error: JAX_PLATFORMS='cuda' asks for GPU devices, but JAX's CUDA plugin is not installed "
+     "here, so the run would be on the CPU; unset JAX_PLATFORMS to use the devices this machine "
+     "has, or install the plugin on a GPU machine (pip install 'jax[cuda12]')"),
     ("generate_platform_absent",
      ["toolkit.generate", TINY, "--checkpoint={T}/none", "--prompt=a"], {"JAX_PLATFORMS": "cuda"},
      "error: JAX_PLATFORMS='cuda' asks for a platform JAX cannot start here"),
