@@ -73,36 +73,14 @@ def test_the_handlers_before_the_loop_come_back_after_it():
   assert signal.getsignal(signal.SIGINT) is before
 
 
-# Ctrl-C while the run compiles (before the loop installs its handler): KeyboardInterrupt
-# escapes the command, as it would from any of its start-up work.
-_INTERRUPTED_WHILE_COMPILING = """
-import runpy, sys
-from toolkit.training import loop
-def compile_steps(*args, **kwargs):
-  raise KeyboardInterrupt
-loop.compile_steps = compile_steps
-sys.argv = ["toolkit.train", *sys.argv[1:]]
-runpy.run_module("toolkit.train", run_name="__main__")
-"""
-
-
-def test_ctrl_c_outside_the_loop_is_one_line_and_status_130(tmp_path):
-  result = preloaded.run(code=_INTERRUPTED_WHILE_COMPILING,
-                         args=[TINY, f"--workdir={tmp_path / 'w'}"], env=_env(),
-                         timeout=MISTAKE_TIMEOUT_S)
-  assert result.returncode == 130, result.stdout + result.stderr
-  assert "Traceback" not in result.stdout + result.stderr
-  assert result.stderr.strip().splitlines()[-1] == (
-      "error: interrupted (SIGINT) outside the training loop: nothing more was saved, "
-      "committed checkpoints are intact; rerun the same command to resume")
-
-
-# SIGTERM while the run compiles: it once ended the process silently (status -15).
-_TERMINATED_WHILE_COMPILING = """
+# A signal while the run compiles (before the loop installs its handlers), as it would come
+# during any of its start-up work: Ctrl-C escapes as KeyboardInterrupt; SIGTERM once ended the
+# process silently (status -15).
+_WHILE_COMPILING = """
 import os, runpy, signal, sys, time
 from toolkit.training import loop
 def compile_steps(*args, **kwargs):
-  os.kill(os.getpid(), signal.SIGTERM)
+  os.kill(os.getpid(), signal.{signal})
   time.sleep(30)  # the handler runs in this thread before the sleep ends
 loop.compile_steps = compile_steps
 sys.argv = ["toolkit.train", *sys.argv[1:]]
@@ -110,14 +88,15 @@ runpy.run_module("toolkit.train", run_name="__main__")
 """
 
 
-def test_sigterm_outside_the_loop_is_one_line_and_status_130_as_ctrl_c_is(tmp_path):
-  result = preloaded.run(code=_TERMINATED_WHILE_COMPILING,
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_signal_outside_the_loop_is_one_line_and_status_130(tmp_path, name):
+  result = preloaded.run(code=_WHILE_COMPILING.format(signal=name),
                          args=[TINY, f"--workdir={tmp_path / 'w'}"], env=_env(),
                          timeout=MISTAKE_TIMEOUT_S)
   assert result.returncode == 130, result.stdout + result.stderr
   assert "Traceback" not in result.stdout + result.stderr
   assert result.stderr.strip().splitlines()[-1] == (
-      "error: interrupted (SIGTERM) outside the training loop: nothing more was saved, "
+      f"error: interrupted ({name}) outside the training loop: nothing more was saved, "
       "committed checkpoints are intact; rerun the same command to resume")
 
 
