@@ -46,7 +46,3 @@ def restart_with_huge_pages() -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-
-
-if __name__ == "__main__":  # `python -m toolkit.allocator`: the setting this command runs with
-  print(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')}")
