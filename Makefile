@@ -44,7 +44,7 @@ demo: $(VENV)/.installed
 
 # The default suite: everything but tests marked slow, in WORKERS processes (pytest-xdist; a
 # test module stays in one process, so its fixtures are computed once); 9.5-10.4 minutes on the
-# 2 cores of a 2.1 GHz Intel Xeon (fresh clones in CI, the newest-deps install beside it), at
+# 2 cores of a 2.1 GHz Intel Xeon (fresh clones in CI), at
 # its 10-minute budget (docs/testing.md). pytest lists the slowest 15 at the end, then the wall
 # time.
 WORKERS ?= 2

@@ -5,7 +5,7 @@
 # '.[test]' with --upgrade (no pins but the project's own: torch==2.13.0), prints the
 # versions it got and runs the tests marked `smoke` (train, resume, sharded == unsharded,
 # Grain's batches, Hugging Face parity, a TPU compile, one served request): 12 tests in two
-# processes, ~1-2 minutes on 2 cores after an install of 2-4 minutes.
+# processes, ~1-2 minutes on 2 cores after an install of 3-5 minutes (torch's CUDA build).
 #
 #   bash scripts/ci_newest.sh           the install, then the smoke tests
 #   bash scripts/ci_newest.sh install   the install only
