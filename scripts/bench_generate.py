@@ -97,7 +97,7 @@ def time_recompute(engine, batch: int, prompt_length: int, steps: int, rng) -> f
 def serve_under_load(engine) -> dict:
   """The HTTP server under the load script: its summary (exits 1 on failed requests)."""
   from toolkit.inference import engine as engine_lib  # pylint: disable=g-import-not-at-top
-  from toolkit.inference import server as server_lib  # pylint: disable=g-import-not-at-top
+  from toolkit.serving import server as server_lib  # pylint: disable=g-import-not-at-top
   load_test = _load_test_module()
   batcher = engine_lib.Batcher(engine, _SERVE_BATCH.value, max_queue=4 * _REQUESTS.value)
   start = time.perf_counter()

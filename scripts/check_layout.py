@@ -10,7 +10,7 @@ The direction, lowest first (a module may import its own layer and the layers be
   toolkit/<concern> subpackages (pod, inference, tuning, ...; never each other)  <-
   toolkit/evaluation (the harness on the inference engine), toolkit/costing (prices the
   planner's layouts), toolkit/post_training (rollouts from the engine for the training
-  step)  <-  toolkit's commands (toolkit/*.py)  <-  experiments, scripts
+  step), toolkit/serving (the HTTP layer over the engine)  <-  toolkit's commands (toolkit/*.py)  <-  experiments, scripts
 
 Sizes: no module over 500 lines, no function over 80 lines (nested functions count towards
 the function they sit in), outside tests/.
@@ -78,10 +78,11 @@ def layer(module: str, known: dict[str, pathlib.Path]) -> tuple[int, str]:
     # weights through it.
     # evaluation runs the harness on inference's engine, costing prices pod's layouts,
     # post_training samples rollouts with inference's engine for training's step: above the
-    # other concerns.
+    # other concerns; serving is the HTTP layer over inference's engine.
     return {"data": (3, "data"), "hf": (3, "hf"), "training": (4, "training"),
             "evaluation": (6, "evaluation"), "costing": (6, "costing"),
-            "post_training": (6, "post_training")}.get(concern, (5, concern))
+            "post_training": (6, "post_training"),
+            "serving": (6, "serving")}.get(concern, (5, concern))
   return 7, "commands"  # toolkit/<command>.py
 
 

@@ -143,7 +143,8 @@ SLOW = {
 # presubmit test runs the same module or script with its flags (COMMAND), on the documented
 # config or a smaller one. Commands no presubmit test runs (most benchmarks' --quick runs) stay
 # in the presubmit tier.
-_POD, _TUNING, _SERVING = "tests/toolkit/pod", "tests/toolkit/tuning", "tests/toolkit/inference"
+_POD, _TUNING = "tests/toolkit/pod", "tests/toolkit/tuning"
+_INFERENCE, _SERVING = "tests/toolkit/inference", "tests/toolkit/serving"
 FULL = {
     r"toolkit\.compile .*--decode|decode_cost\.py --model=7b": (
         tiers.COMPILE, f"{_POD}/test_compile_decode.py::"
@@ -170,12 +171,12 @@ FULL = {
     r"toolkit\.serve": (
         tiers.COMMAND, f"{_SERVING}/test_openai_api.py::"
                        "test_completions_equal_generate_and_stream_joins_to_the_answer"),
-    r"toolkit\.generate": (tiers.COMMAND, f"{_SERVING}/test_generate.py::test_command_line"),
+    r"toolkit\.generate": (tiers.COMMAND, f"{_INFERENCE}/test_generate.py::test_command_line"),
     r"toolkit\.predict": (
-        tiers.COMMAND, f"{_SERVING}/test_predict.py::"
+        tiers.COMMAND, f"{_INFERENCE}/test_predict.py::"
                        "test_predictions_match_the_model_and_keep_input_order"),
     r"toolkit\.sample": (
-        tiers.COMMAND, f"{_SERVING}/test_sample.py::test_sample_from_checkpoint_is_reproducible"),
+        tiers.COMMAND, f"{_INFERENCE}/test_sample.py::test_sample_from_checkpoint_is_reproducible"),
     r"toolkit\.evaluate": (
         tiers.COMMAND, "tests/toolkit/evaluation/test_periodic.py::"
                        "test_eval_tasks_every_n_steps_from_memory_equal_the_checkpoints"),
@@ -218,7 +219,7 @@ FAST = {
 }
 # docs/inference.md's server and its clients (38 s) and the training on prepared shards (14 s)
 # once needed XLA_FLAGS too; they run in the slow half, where make test's 10-minute budget
-# left them (tests/toolkit/inference/test_serve.py and test_openai_api.py serve in make test).
+# left them (tests/toolkit/serving/test_serve.py and test_openai_api.py serve in make test).
 # What a command reads -> (pattern of the documented command that makes it).
 PRODUCERS = {
     "data/mytext": r"prepare_text\.py --out=data/mytext ",

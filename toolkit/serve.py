@@ -1,6 +1,6 @@
 """`python -m toolkit.serve`: an HTTP JSON endpoint over the continuous batcher, with
-OpenAI's completions and chat completions (toolkit/inference/server.py has the endpoints and
-their contract, toolkit/inference/openai_api.py the OpenAI routes).
+OpenAI's completions and chat completions (toolkit/serving/server.py has the endpoints and
+their contract, toolkit/serving/openai_api.py the OpenAI routes).
 
   python -m toolkit.serve --config=experiments/lm.py:cpu --checkpoint=runs/lm_cpu --port=8000
   curl -s localhost:8000/generate -d '{"prompt": "The ", "max_tokens": 40, "temperature": 0.8}'
@@ -22,10 +22,10 @@ def cli() -> None:
   from toolkit.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from toolkit.inference import engine as engine_lib  # pylint: disable=g-import-not-at-top
   from toolkit.inference import offline, requests, restore  # pylint: disable=g-import-not-at-top
-  from toolkit.inference import openai_protocol  # pylint: disable=g-import-not-at-top
+  from toolkit.serving import openai_protocol  # pylint: disable=g-import-not-at-top
   from toolkit.inference.codec import Codec  # pylint: disable=g-import-not-at-top
   from toolkit.inference.sampling import RequestError  # pylint: disable=g-import-not-at-top
-  from toolkit.inference.server import Server  # pylint: disable=g-import-not-at-top
+  from toolkit.serving.server import Server  # pylint: disable=g-import-not-at-top
   config_flag = config_flags.DEFINE_config_file(
       "config", None, "Required. The experiment file the checkpoint was trained with, e.g. "
       "experiments/lm.py:cpu; its mesh and sharding rules place the model.", lock_config=True)
@@ -94,7 +94,7 @@ def cli() -> None:
 
 
 def _define_openai_flags():
-  """--model_name and --chat_template, the OpenAI routes' (toolkit/inference/openai_api.py)."""
+  """--model_name and --chat_template, the OpenAI routes' (toolkit/serving/openai_api.py)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
   return (flags.DEFINE_string("model_name", "", "The model name of the OpenAI routes (GET "
                               "/v1/models); default: the checkpoint's workdir name, e.g. "

@@ -1,7 +1,7 @@
 """scripts/bench_serve.py's long_prompt workload names why its running requests did not all
 warm up (one failed, one ended first, or the deadline), and refuses a --warm_tokens its
 running requests cannot reach before it contacts a server. The benchmark against a served
-model: tests/toolkit/inference/test_openai_api.py. (bench_serve itself is not imported: its
+model: tests/toolkit/serving/test_openai_api.py. (bench_serve itself is not imported: its
 absl flags would clash with another script's in the same pytest process.)"""
 import asyncio
 import pathlib

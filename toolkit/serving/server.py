@@ -8,12 +8,12 @@ Endpoints:
                    seed, stop_tokens} -> {"completion", "tokens", "finish_reason",
                    "prompt_tokens", "completion_tokens", "latency_s", "time_to_first_token_s"}
   GET /v1/models, POST /v1/completions, POST /v1/chat/completions: OpenAI's API, streaming
-                  included (toolkit/inference/openai_api.py)
+                  included (toolkit/serving/openai_api.py)
   GET  /health    200 {"status": "ok", ...} while the decode loop runs and not every one of
                   its last UNHEALTHY_AFTER_STEP_ERRORS steps raised, else 503
   GET  /metrics   Prometheus text: requests, cancellations, tokens, steps, queue depth, slot
                   use, and histograms of time to first token, inter-token latency, time per
-                  output token and end-to-end latency (toolkit/inference/latency.py)
+                  output token and end-to-end latency (toolkit/serving/latency.py)
 
 Threads: aiohttp's event loop parses requests and waits on the batcher's events; one batcher
 thread owns the devices and steps the decode batch, admitting queued requests at every step.
@@ -22,7 +22,7 @@ handler; the batcher frees the slot at its next step). Bad requests get a 4xx wi
 message and never reach the batcher: a body over 1 MiB (413), JSON that does not parse or
 nests deeper than 32 levels, prompt text that is not valid UTF-8 (a lone surrogate escape),
 token ids outside the vocabulary, sampling fields out of range (400).
-tests/toolkit/inference/test_serve.py fuzzes it with a few hundred such requests.
+tests/toolkit/serving/test_serve.py fuzzes it with a few hundred such requests.
 """
 from __future__ import annotations
 
@@ -38,12 +38,12 @@ import numpy as np
 from aiohttp import http_exceptions, web
 
 from toolkit.inference import engine as engine_lib
-from toolkit.inference import openai_protocol
+from toolkit.serving import openai_protocol
 from toolkit.inference.codec import BYTE_LEVEL, Codec
-from toolkit.inference.http_request import (MAX_BODY_BYTES, BodyError, PastDeadline,
+from toolkit.serving.http_request import (MAX_BODY_BYTES, BodyError, PastDeadline,
                                             Submissions, read_json)
-from toolkit.inference.latency import Histograms
-from toolkit.inference.openai_api import OpenAIRoutes
+from toolkit.serving.latency import Histograms
+from toolkit.serving.openai_api import OpenAIRoutes
 from toolkit.inference.requests import parse_prompt, result_record
 from toolkit.inference.sampling import RequestError, SamplingParams
 
@@ -72,7 +72,7 @@ def _error(status: int, message: str) -> web.Response:
 class Service:
   """The request handlers; `batcher` is stepped by another thread. `model_name` is the name
   the OpenAI routes serve; `chat_template` a Jinja template (text or .jinja file) replacing
-  the tokenizer folder's (toolkit/inference/openai_protocol.py: chat_encoder)."""
+  the tokenizer folder's (toolkit/serving/openai_protocol.py: chat_encoder)."""
 
   def __init__(self, batcher: engine_lib.Batcher, defaults: SamplingParams,
                request_timeout_s: float, info: dict, codec: Codec = BYTE_LEVEL,

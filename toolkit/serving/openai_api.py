@@ -1,11 +1,11 @@
 """OpenAI-compatible routes over the continuous batcher (aiohttp), beside the server's own
-/generate (toolkit/inference/server.py mounts them):
+/generate (toolkit/serving/server.py mounts them):
 
   GET  /v1/models             the served model
   POST /v1/completions        text completions, `stream: true` as server-sent events
   POST /v1/chat/completions   chat completions through the model's chat template
 
-The fields, what is refused and the defaults are in toolkit/inference/openai_protocol.py.
+The fields, what is refused and the defaults are in toolkit/serving/openai_protocol.py.
 A streamed answer is `data: {chunk}` events in OpenAI's chunk format, one per choice each
 time new tokens arrive (the text may be empty while an unfinished character or a possible
 stop string is held back), the usage chunk with stream_options.include_usage, then
@@ -33,11 +33,11 @@ from aiohttp import web
 from aiohttp_sse import EventSourceResponse
 
 from toolkit.inference import engine as engine_lib
-from toolkit.inference import openai_protocol as protocol
-from toolkit.inference.http_request import BodyError, PastDeadline, Submissions, read_json
-from toolkit.inference.openai_protocol import OpenAIError
+from toolkit.serving import openai_protocol as protocol
+from toolkit.serving.http_request import BodyError, PastDeadline, Submissions, read_json
+from toolkit.serving.openai_protocol import OpenAIError
 from toolkit.inference.sampling import RequestError
-from toolkit.inference.text_stream import TextStream
+from toolkit.serving.text_stream import TextStream
 
 PING_S = 15.0  # comment lines that keep an idle stream (a long prefill) open through proxies
 

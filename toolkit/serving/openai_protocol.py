@@ -2,7 +2,7 @@
 engine requests, and the response, chunk and error objects, in the shapes the official
 `openai` client parses (openai/types/completion.py, chat/chat_completion{,_chunk}.py).
 
-No HTTP here: toolkit/inference/openai_api.py serves these over aiohttp.
+No HTTP here: toolkit/serving/openai_api.py serves these over aiohttp.
 
 Fields (`POST /v1/completions`, `POST /v1/chat/completions`):
   model             the served model's name (GET /v1/models); another name is a 404

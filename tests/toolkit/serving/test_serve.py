@@ -20,7 +20,7 @@ from flax import nnx
 import sharding
 from models import Llama, LlamaConfig
 from toolkit.data import text as text_data
-from toolkit.inference import server as server_lib
+from toolkit.serving import server as server_lib
 from toolkit.inference import engine as engine_lib
 from toolkit.inference.sampling import SamplingParams
 

@@ -27,11 +27,11 @@ from models import Llama, LlamaConfig
 from tests import extras
 from toolkit.data import text as text_data
 from toolkit.inference import engine as engine_lib
-from toolkit.inference import openai_protocol
-from toolkit.inference import server as server_lib
+from toolkit.serving import openai_protocol
+from toolkit.serving import server as server_lib
 from toolkit.inference.codec import BYTE_LEVEL, Codec
 from toolkit.inference.sampling import SamplingParams
-from toolkit.inference.text_stream import TextStream
+from toolkit.serving.text_stream import TextStream
 
 openai = extras.require("openai")  # the test extra: the official client
 REPO = pathlib.Path(__file__).resolve().parents[3]
