@@ -15,7 +15,7 @@ fingerprints cost.
    first save is reported apart (one-time costs), the others as medians; the blocking
    fraction is blocking / total per save. To measure another revision, run this file with
    that revision first on PYTHONPATH (its toolkit is then imported instead).
-2. Fingerprints (toolkit/training/integrity.py): FLOPs and bytes read per device from the
+2. Fingerprints (toolkit/training/checkpoints/integrity.py): FLOPs and bytes read per device from the
    compiled program's cost analysis, for the demo's state on 8 CPU devices (plus the measured
    time) and for --topology's devices (default the 7b model on a v5p-128, compiled ahead of
    time with libtpu; skipped when libtpu is missing).
@@ -51,7 +51,7 @@ def save_timings(variant: str, steps: int, every: int, workdir: str | None = Non
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import lm  # pylint: disable=g-import-not-at-top
   from toolkit import training  # pylint: disable=g-import-not-at-top
-  from toolkit.training import checkpoint  # pylint: disable=g-import-not-at-top
+  from toolkit.training.checkpoints import checkpoint  # pylint: disable=g-import-not-at-top
   committed: list[float] = []  # when each save was committed
   def listener(name, seconds, **_):
     del seconds
@@ -104,7 +104,8 @@ def fingerprint_cost(config, devices, time_it: bool) -> dict:
   `devices`; with `time_it`, also its measured time on a real state."""
   import jax  # pylint: disable=g-import-not-at-top
   from toolkit import training  # pylint: disable=g-import-not-at-top
-  from toolkit.training import integrity, state as state_lib  # pylint: disable=g-import-not-at-top
+  from toolkit.training import state as state_lib  # pylint: disable=g-import-not-at-top
+  from toolkit.training.checkpoints import integrity
   setup = training.build(config, devices)
   abstract = setup.layout.abstract
   state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
@@ -147,7 +148,7 @@ def main(argv) -> None:
         f"{results['median_total_s'] * 1000:.1f} ms ({results['median_fraction']:.1%})")
   print(f"  all saves: {results['all_saves_fraction']:.1%} of the save time blocks the loop")
   try:
-    import toolkit.training.integrity  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+    import toolkit.training.checkpoints.integrity  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
     print("no fingerprints in this revision")
   else:

@@ -53,7 +53,7 @@ def restore_seconds(variant: str, workdir: str, overrides: dict) -> tuple[float,
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import lm  # pylint: disable=g-import-not-at-top
   from toolkit import training, workdir as workdir_lib  # pylint: disable=g-import-not-at-top
-  from toolkit.training import checkpoint  # pylint: disable=g-import-not-at-top
+  from toolkit.training.checkpoints import checkpoint  # pylint: disable=g-import-not-at-top
   config = lm.get_config(variant)
   for field, value in overrides.items():
     section, name = field.split(".")

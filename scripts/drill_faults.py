@@ -5,7 +5,7 @@ without faults, what each failure cost, and the goodput of both (the table in do
   python scripts/drill_faults.py --steps=60 --keep=runs/drill   # shorter; keeps both jobs
 
 Both jobs are `toolkit.supervise`'s Supervisor running experiments/lm.py:tiny, the workdir
-checkpointed every --checkpoint_every steps and the local tier (toolkit/training/tiers.py) every
+checkpointed every --checkpoint_every steps and the local tier (toolkit/training/checkpoints/tiers.py) every
 --local_every steps into a temporary folder. In the faulted job process 1 is SIGKILLed once
 both hosts hold a local step past 30 % of the steps and its local folder deleted (a crash on a
 host replaced with an empty disk: the restart restores that step, process 1's shards from the

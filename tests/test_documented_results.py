@@ -520,7 +520,7 @@ def grpo_base(demo_hf: str, workdir: str) -> str:
   """The fine-tune experiments/grpo.py starts from: experiments/sft.py's from `demo_hf`, exported
   at the last step of GRPO_SFT_STOPS whose held-out exact match is at most GRPO_BEFORE_MAX (the
   first stop when none is). One run to the last stop saves each one (a run stopped there and
-  resumed trains bitwise the same: tests/toolkit/training/test_checkpoint.py); they are scored
+  resumed trains bitwise the same: tests/toolkit/training/checkpoints/test_checkpoint.py); they are scored
   in turn until one is above the bound."""
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import sft  # pylint: disable=g-import-not-at-top

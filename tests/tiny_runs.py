@@ -11,7 +11,8 @@ import numpy as np
 from experiments import lm
 from tests import codegen, preloaded
 from toolkit import training
-from toolkit.training import checkpoint, dpo_reference, state as state_lib, step as step_lib
+from toolkit.training import dpo_reference, state as state_lib, step as step_lib
+from toolkit.training.checkpoints import checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -19,7 +19,8 @@ from toolkit.errors import ConfigError
 from toolkit.evaluation import periodic
 from toolkit.inference import text as text_lib
 from toolkit.pod import distributed
-from toolkit.training import loop, startup, stop_signal, storage
+from toolkit.training import loop, startup, stop_signal
+from toolkit.training.checkpoints import storage
 
 
 def cli() -> None:

@@ -26,7 +26,7 @@ from toolkit import workdir as workdir_lib
 from toolkit.conversion import adapters, output
 from toolkit.errors import ConfigError
 from toolkit.hf import folder as folder_lib, writer as hf_writer
-from toolkit.training.checkpoint import open_latest
+from toolkit.training.checkpoints.checkpoint import open_latest
 from toolkit.training import config as config_lib, init_from, state as state_lib
 
 # config.json fields meshkit's model config does not hold, carried over from the source folder.

@@ -16,7 +16,8 @@ import ml_collections
 from toolkit import hf
 from toolkit import workdir as workdir_lib
 from toolkit.conversion import output
-from toolkit.training import checkpoint, config as config_lib, init_from, setup as setup_lib
+from toolkit.training import config as config_lib, init_from, setup as setup_lib
+from toolkit.training.checkpoints import checkpoint
 
 
 def _log(message: str) -> None:

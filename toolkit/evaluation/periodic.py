@@ -21,7 +21,8 @@ from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
 from toolkit.evaluation import harness, tokens
 from toolkit.training import config as config_lib
-from toolkit.training import loop, storage
+from toolkit.training import loop
+from toolkit.training.checkpoints import storage
 from toolkit.training import metrics as metrics_lib
 
 FIELD = "train.eval_tasks"

@@ -10,10 +10,10 @@ import ml_collections
 import optax
 
 from toolkit.errors import ConfigError
-from toolkit.training import checkpoint
+from toolkit.training.checkpoints import checkpoint
 from toolkit.training import config as config_lib
 from toolkit.training import state as state_lib
-from toolkit.training.checkpoint import open_latest
+from toolkit.training.checkpoints.checkpoint import open_latest
 
 
 def restore_params(config: ml_collections.ConfigDict, checkpoint_path: str, devices=None,

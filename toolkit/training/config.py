@@ -93,7 +93,7 @@ def defaults() -> ml_collections.ConfigDict:
       # A second, frequent checkpoint tier on this host's own storage (a RAM disk such as
       # /dev/shm/RUN, a local SSD) every local_checkpoint_every steps, the last 2 kept, beside
       # the workdir's checkpoints; a restart resumes from the newer of the two
-      # (toolkit/training/tiers.py; on a pod each host keeps its shards and a copy of the
+      # (toolkit/training/checkpoints/tiers.py; on a pod each host keeps its shards and a copy of the
       # previous host's: host_shards.py). '' is off.
       local_checkpoint_dir="", local_checkpoint_every=10))
   # Process set-up before JAX starts (toolkit.runtime.start, toolkit.compile). xla_flags: the

@@ -18,10 +18,13 @@ import numpy as np
 
 from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
-from toolkit.training import checkpoint, goodput as goodput_lib, init_from, integrity
+from toolkit.training import goodput as goodput_lib, init_from
+from toolkit.training.checkpoints import checkpoint, integrity
 from toolkit.training import metrics as metrics_lib, profiler as profiler_lib
-from toolkit.training import programs as programs_lib, resume, tiers
-from toolkit.training import state as state_lib, step as step_lib, storage, stragglers, tasks
+from toolkit.training import programs as programs_lib
+from toolkit.training.checkpoints import resume, tiers
+from toolkit.training import state as state_lib, step as step_lib, stragglers, tasks
+from toolkit.training.checkpoints import storage
 from toolkit.training.setup import Setup, build, peak_flops_total, units_of, work_per_step
 from toolkit.training.startup import checkpoint_bytes, log, log_setup, prepare_workdir, write_config
 from toolkit.training.stop_signal import StopSignal

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from toolkit import workdir as workdir_lib
-from toolkit.training import storage
+from toolkit.training.checkpoints import storage
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,8 @@ import ml_collections
 from toolkit import workdir as workdir_lib
 from toolkit.accelerators import human_bytes
 from toolkit.errors import ConfigError
-from toolkit.training import storage, watchdog as watchdog_lib
+from toolkit.training import watchdog as watchdog_lib
+from toolkit.training.checkpoints import storage
 from toolkit.training.setup import Setup
 
 

@@ -42,7 +42,8 @@ import sharding
 from models import lora
 from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
-from toolkit.training import checkpoint, metrics as metrics_lib, state as state_lib
+from toolkit.training import metrics as metrics_lib, state as state_lib
+from toolkit.training.checkpoints import checkpoint
 from toolkit.training import step as step_lib
 from toolkit.training import setup as setup_lib
 from toolkit.tuning import trial_state

@@ -11,7 +11,8 @@ from safetensors.numpy import load_file
 from experiments import hf as hf_experiment
 from tests.toolkit.hf import reference
 from toolkit import conversion, hf, training
-from toolkit.training import checkpoint, init_from, resume
+from toolkit.training import init_from
+from toolkit.training.checkpoints import checkpoint, resume
 
 torch = reference.torch
 LOSS_TOLERANCE = 1e-4  # transformers' held-out loss vs meshkit's eval loss, nats (issue 12)

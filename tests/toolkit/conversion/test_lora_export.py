@@ -19,7 +19,8 @@ from tests.toolkit.test_cli import _env, the_error_line
 from toolkit import conversion, hf, training
 from toolkit.errors import ConfigError
 from toolkit.inference.restore import restore_params
-from toolkit.training import checkpoint, state as state_lib
+from toolkit.training import state as state_lib
+from toolkit.training.checkpoints import checkpoint
 
 peft = extras.require("peft")
 torch = reference.torch

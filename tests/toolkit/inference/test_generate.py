@@ -99,7 +99,7 @@ def test_command_line(workdir, tmp_path):
 def test_params_only_restore_equals_the_full_state_restore(workdir):
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from toolkit.training import checkpoint  # pylint: disable=g-import-not-at-top
+  from toolkit.training.checkpoints import checkpoint  # pylint: disable=g-import-not-at-top
   params, _, mesh, _, step = restore.restore_params(tiny_config(), str(workdir))
   setup = training.build(tiny_config())
   manager = checkpoint.Checkpoints(checkpoint.checkpoints_dir(str(workdir)), read_only=True)
@@ -114,7 +114,7 @@ def test_params_only_restore_equals_the_full_state_restore(workdir):
 def test_an_earlier_step_restores_and_a_missing_one_names_the_steps(workdir):
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from toolkit.training import checkpoint  # pylint: disable=g-import-not-at-top
+  from toolkit.training.checkpoints import checkpoint  # pylint: disable=g-import-not-at-top
   params, *_, step = restore.restore_params(tiny_config(), str(workdir), step=1)
   latest, *_, latest_step = restore.restore_params(tiny_config(), str(workdir))
   assert (step, latest_step) == (1, 2)

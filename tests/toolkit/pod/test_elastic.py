@@ -20,7 +20,7 @@ from tests.tiny_runs import TOLERANCE, assert_trees_close
 from tests.toolkit.pod import supervised
 from toolkit import training
 from toolkit.pod import elastic, supervisor as supervisor_lib
-from toolkit.training import checkpoint
+from toolkit.training.checkpoints import checkpoint
 
 TINY = ["--config=experiments/lm.py:tiny"]  # mesh data:1,fsdp:-1,tensor:2; batch 16 rows
 STEPS = 60  # room to shrink after step 8 and grow back a few steps later

@@ -1,4 +1,4 @@
-"""The local checkpoint tier on a pod of 2 processes x 2 devices (toolkit/training/host_shards.py):
+"""The local checkpoint tier on a pod of 2 processes x 2 devices (toolkit/training/checkpoints/host_shards.py):
 a run whose newest persistent checkpoint is step 3 and whose local tier holds step 4 restarts
 from step 4 when a host comes back empty (its shards from the copy on the other host) or with
 its copy damaged, and trains step 5 exactly as before; a host lost with its peer's copy falls

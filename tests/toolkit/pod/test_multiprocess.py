@@ -31,7 +31,7 @@ import pytest
 
 from experiments import lm
 from tests.tiny_runs import TOLERANCE, assert_trees_close
-from toolkit.training import checkpoint
+from toolkit.training.checkpoints import checkpoint
 from toolkit import training
 from toolkit.pod import local as pod
 

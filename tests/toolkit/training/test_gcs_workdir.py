@@ -19,7 +19,8 @@ from scripts import gcs_emulator
 from tests.tiny_runs import TOLERANCE, assert_trees_close, tiny_config
 from toolkit import training
 from toolkit import workdir as workdir_lib
-from toolkit.training import checkpoint, metrics as metrics_lib
+from toolkit.training import metrics as metrics_lib
+from toolkit.training.checkpoints import checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 STEPS = 200        # long enough (~5 s here) to be killed after its first checkpoint

@@ -12,7 +12,8 @@ from models import lora
 from tests.tiny_runs import (TOLERANCE, assert_resume_is_bitwise, assert_trees_close,
                              tiny_config)
 from toolkit import training
-from toolkit.training import checkpoint, state as state_lib, step as step_lib
+from toolkit.training import state as state_lib, step as step_lib
+from toolkit.training.checkpoints import checkpoint
 
 STEPS = 6
 LORA = ("model.lora_rank=4", "model.lora_alpha=8.0", "model.lora_dropout=0.1",

@@ -13,7 +13,8 @@ from tests.tiny_runs import TOLERANCE, assert_resume_is_bitwise, assert_trees_cl
 from toolkit import training
 from toolkit.errors import ConfigError
 from toolkit.pod import aot, target as target_lib
-from toolkit.training import checkpoint, state as state_lib, step as step_lib
+from toolkit.training import state as state_lib, step as step_lib
+from toolkit.training.checkpoints import checkpoint
 
 LAYERS = 8
 

@@ -35,8 +35,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from toolkit.training import integrity, storage
-from toolkit.training.checkpoint import DamagedCheckpoint, SaveTiming
+from toolkit.training.checkpoints import integrity, storage
+from toolkit.training.checkpoints.checkpoint import DamagedCheckpoint, SaveTiming
 
 _OWN, _PEER = "own", "peer"   # a step folder's two copies: this process's shards, the previous's
 

@@ -18,7 +18,8 @@ import tensorstore as ts
 from tests.tiny_runs import tiny_config
 from toolkit import training
 from toolkit.errors import ConfigError
-from toolkit.training import checkpoint, integrity, resume, step as step_lib
+from toolkit.training import step as step_lib
+from toolkit.training.checkpoints import checkpoint, integrity, resume
 
 
 def _array_files(step_dir: str) -> list[str]:

@@ -7,11 +7,13 @@ import pytest
 
 from tests import preloaded
 from tests.tiny_runs import tiny_config, train_losses
-from toolkit.training import checkpoint, resume, state as state_lib, step as step_lib
+from toolkit.training import state as state_lib, step as step_lib
+from toolkit.training.checkpoints import checkpoint, resume
 from toolkit import training
 from toolkit.errors import ConfigError
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))))
 
 
 def _train_cli(workdir, *overrides, timeout=240):

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from toolkit.training import integrity
+from toolkit.training.checkpoints import integrity
 
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
 def reference(x: np.ndarray) -> int:
-  """The formula in toolkit/training/integrity.py's docstring, in NumPy integers: the sum of
+  """The formula in toolkit/training/checkpoints/integrity.py's docstring, in NumPy integers: the sum of
   bits[i] * ((i * 0x9E3779B1) | 1) mod 2**32 over flat indices i."""
   bits = x.reshape(-1).view(_BITS[x.dtype.itemsize]).astype(np.uint64)
   index = np.arange(bits.size, dtype=np.uint64)

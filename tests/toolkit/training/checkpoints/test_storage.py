@@ -6,7 +6,7 @@ hangs nor hides the cause.
 
 The faults are real where this process may mount a small tmpfs (root, as on the project's
 machines); elsewhere the same errors are injected where Orbax writes a checkpoint
-(tests/toolkit/training/storage_faults.py)."""
+(tests/toolkit/training/checkpoints/storage_faults.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -24,10 +24,11 @@ from tests import preloaded
 from tests.tiny_runs import tiny_config
 from tests.toolkit.test_cli import RUN_TIMEOUT_S, TINY, _env, checkpoint_steps, the_error_line
 from toolkit import training, workdir as workdir_lib
-from toolkit.training import checkpoint, loop, metrics, storage
+from toolkit.training import loop, metrics
+from toolkit.training.checkpoints import checkpoint, storage
 
 FAULT_TO_EXIT_S = 60
-_INJECT = "from tests.toolkit.training import storage_faults; storage_faults.train({code}, {step})"
+_INJECT = "from tests.toolkit.training.checkpoints import storage_faults; storage_faults.train({code}, {step})"
 
 
 def _mount(*args: str) -> bool:
@@ -303,7 +304,7 @@ def test_an_orbax_task_that_failed_on_a_full_disk_prints_no_traceback(caplog):
 # The store stops answering during the last save: Orbax's wait for it never returns.
 _LAST_SAVE_HANGS = """
 import runpy, sys, time
-from toolkit.training import checkpoint
+from toolkit.training.checkpoints import checkpoint
 close = checkpoint.Checkpoints.close
 def hanging_close(self, timeout_s=None):
   if timeout_s is None:  # the run's own end, not the bounded close after a failure

@@ -24,8 +24,9 @@ from jax.experimental import multihost_utils
 
 from toolkit import hf
 from toolkit.errors import ConfigError
-from toolkit.training import checkpoint, init_from, state as state_lib, step as step_lib
-from toolkit.training import host_shards, storage, tiers
+from toolkit.training import init_from, state as state_lib, step as step_lib
+from toolkit.training.checkpoints import checkpoint
+from toolkit.training.checkpoints import host_shards, storage, tiers
 from toolkit.training.programs import Programs
 from toolkit.training.setup import Setup
 
@@ -39,7 +40,7 @@ def restore_or_init(config: ml_collections.ConfigDict, setup: Setup,
   """(state, data position): see the module docstring; the position is None when the run
   starts at step 0. `hf_folder` is `init_from.source`'s answer (checked, or None); a fresh
   state's init program comes from `programs` when it holds it. `local`, the local tier
-  (toolkit/training/tiers.py), goes first when it holds a step newer than `own`'s."""
+  (toolkit/training/checkpoints/tiers.py), goes first when it holds a step newer than `own`'s."""
   for line in getattr(local, "warnings", ()):
     log(line)
   if newer := tiers.newer_steps(local, own):

@@ -1,9 +1,9 @@
 """Checkpoints through Orbax's CheckpointManager: the state (async), the config, the data
-position and the state's fingerprints (toolkit/training/integrity.py) saved beside it; restores
+position and the state's fingerprints (toolkit/training/checkpoints/integrity.py) saved beside it; restores
 onto any mesh by giving the abstract state with its shardings as the target.
 
 Reading a step that is not as written (missing or unreadable files, garbage metadata, a
-fingerprint that does not match) raises `DamagedCheckpoint`; toolkit/training/resume.py decides
+fingerprint that does not match) raises `DamagedCheckpoint`; toolkit/training/checkpoints/resume.py decides
 what a run does about it (and holds the resume order). Writing one that fails (no space,
 read-only, permissions, I/O) raises `storage.StorageError` naming the folder and the cause,
 after removing the partial folder.
@@ -26,7 +26,7 @@ from models import kind_of, lora
 
 from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
-from toolkit.training import integrity, storage
+from toolkit.training.checkpoints import integrity, storage
 from toolkit.training.state import State
 
 # Model fields that change parameter shapes or dtypes: a checkpoint restores only if they match.

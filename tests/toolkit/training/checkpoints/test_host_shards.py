@@ -1,4 +1,4 @@
-"""The local tier's copies of a multi-process run (toolkit/training/host_shards.py), in one
+"""The local tier's copies of a multi-process run (toolkit/training/checkpoints/host_shards.py), in one
 process: its files hold every shard of every layout (sharded, partly and fully replicated,
 bfloat16, scalars) and restore bitwise from the own copy or, without it, from the peer copy;
 a damaged copy is told apart by its checksum; steps another process count wrote, or whose
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from toolkit.training import host_shards
-from toolkit.training.checkpoint import DamagedCheckpoint
+from toolkit.training.checkpoints import host_shards
+from toolkit.training.checkpoints.checkpoint import DamagedCheckpoint
 
 CONFIG = {"model": {"d_model": 8}, "train": {"steps": 10}}
 

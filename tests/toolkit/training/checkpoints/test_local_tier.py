@@ -1,4 +1,4 @@
-"""The local checkpoint tier (toolkit/training/tiers.py): a run that crashes resumes from the
+"""The local checkpoint tier (toolkit/training/checkpoints/tiers.py): a run that crashes resumes from the
 newer local step and trains bitwise like an uninterrupted run; a damaged local step is set
 aside and the run falls back to the workdir's checkpoints with one warning; the folder is
 refused where it cannot serve."""
@@ -12,7 +12,8 @@ import pytest
 from tests.tiny_runs import tiny_config, train_losses
 from toolkit import training
 from toolkit.errors import ConfigError
-from toolkit.training import loop, tiers
+from toolkit.training import loop
+from toolkit.training.checkpoints import tiers
 
 STEPS, PERSISTENT_EVERY, LOCAL_EVERY, CRASH_AT = 6, 3, 2, 5
 

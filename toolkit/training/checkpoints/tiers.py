@@ -28,7 +28,7 @@ import ml_collections
 
 from toolkit import workdir as workdir_lib
 from toolkit.errors import ConfigError
-from toolkit.training import checkpoint, host_shards
+from toolkit.training.checkpoints import checkpoint, host_shards
 
 LOCAL_KEEP = 2
 _MARKER = "run.json"

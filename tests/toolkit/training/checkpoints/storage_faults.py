@@ -3,7 +3,7 @@ injected where Orbax's Python side writes a checkpoint (etils.epath's open-for-w
 mkdir) for every step from a given one on. TensorStore writes the arrays from C++ and is not
 intercepted here; the first failing metadata write fails the save just the same.
 
-  python -c "from tests.toolkit.training import storage_faults; storage_faults.train(28, 4)" \\
+  python -c "from tests.toolkit.training.checkpoints import storage_faults; storage_faults.train(28, 4)" \\
       --config=experiments/lm.py:tiny --workdir=...       # `toolkit.train`, ENOSPC from step 4
 """
 from __future__ import annotations
