@@ -1,6 +1,6 @@
 """Preference tuning with DPO: rank-16 LoRA adapters trained so that the model prefers the
 chosen completion of each pair over the rejected one, against its own frozen base as the
-reference (toolkit/training/dpo.py, toolkit/data/preference.py; docs/post_training.md).
+reference (toolkit/training/objectives/dpo.py, toolkit/data/preference.py; docs/post_training.md).
 
   python -m toolkit.train --config=experiments/lm.py:cpu --workdir=runs/lm_cpu
   python -m toolkit.convert export --workdir=runs/lm_cpu --out=runs/lm_cpu_hf

@@ -1,6 +1,6 @@
 """Reinforcement learning with GRPO on a verifiable task: rank-16 LoRA adapters trained on
 completions the model samples itself, each scored by `exact_match` against the task's answer
-(toolkit/post_training/grpo.py, toolkit/training/grpo.py; docs/post_training.md).
+(toolkit/post_training/grpo_task.py, toolkit/training/objectives/grpo.py; docs/post_training.md).
 
   python -m toolkit.train --config=experiments/sft.py:cpu,base=runs/lm_cpu_hf \\
       --config.train.steps=240 --config.optimizer.schedule_steps=400 --workdir=runs/sft_repeat_240

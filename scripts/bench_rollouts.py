@@ -50,13 +50,13 @@ def measure(variant: str, rounds: int) -> dict:
   from experiments import grpo as grpo_experiment  # pylint: disable=g-import-not-at-top
   from toolkit import training  # pylint: disable=g-import-not-at-top
   from toolkit.inference import engine as engine_lib  # pylint: disable=g-import-not-at-top
-  from toolkit.post_training import grpo  # pylint: disable=g-import-not-at-top
+  from toolkit.post_training import grpo_task  # pylint: disable=g-import-not-at-top
   from toolkit.post_training import rollouts as rollouts_lib  # pylint: disable=g-import-not-at-top
   from toolkit.training import state as state_lib  # pylint: disable=g-import-not-at-top
 
   config = grpo_experiment.get_config(variant)
   setup = training.build(config)
-  batches = grpo.batches_for(config, log=lambda line: None)(setup)
+  batches = grpo_task.batches_for(config, log=lambda line: None)(setup)
   state = state_lib.create(setup.spec.model, setup.optimizer, setup.layout, config.seed)
   params, spec = state["params"], setup.spec
   prompts = [batches.data.train.tokens[i] for i in range(batches.prompts_per_batch)]

@@ -29,7 +29,7 @@ from toolkit import training
 from tests.tiny_runs import TOLERANCE
 from tests.models import test_quantization
 from tests.models.test_quantization import AGREEMENT, LOGIT_BOUND, TIE_MARGIN
-from tests.toolkit.training.test_resume import DAMAGE
+from tests.toolkit.training.checkpoints.test_resume import DAMAGE
 from toolkit.tuning import population, results as results_lib, runner, seeds as seeds_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -555,7 +555,7 @@ def grpo_scores(demo_hf: str, seeds: list[int], workdir: str) -> dict:
   there only: the runs' other evaluations change nothing they train)."""
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import grpo  # pylint: disable=g-import-not-at-top
-  from toolkit.post_training import grpo as grpo_lib  # pylint: disable=g-import-not-at-top
+  from toolkit.post_training import grpo_task as grpo_lib  # pylint: disable=g-import-not-at-top
   devices = jax.devices()[:1]
   base = grpo_base(demo_hf, workdir)
   scores = {}

@@ -108,8 +108,8 @@ def train(config, workdir: str, process_count: int) -> None:
   try:
     batches = None
     if config.data.source == "prompts":  # GRPO: batches sampled from the model being trained
-      from toolkit.post_training import grpo  # pylint: disable=g-import-not-at-top  # Grain
-      batches = grpo.batches_for(config, startup.log)
+      from toolkit.post_training import grpo_task  # pylint: disable=g-import-not-at-top  # Grain
+      batches = grpo_task.batches_for(config, startup.log)
     result = loop.run(config, workdir, sampler=text_lib.sample_after_training,
                       periodic=periodic.for_config(config),  # train.eval_tasks
                       batches=batches)

@@ -1,4 +1,4 @@
-"""Names of batch entries the training tasks read (toolkit/training/tasks.py), kept apart from
+"""Names of batch entries the training tasks read (toolkit/training/objectives/tasks.py), kept apart from
 the data modules that fill them: those import Grain and the chat template, which the training
 command imports only for the data that needs them (tests/toolkit/training/test_metrics.py)."""
 
@@ -7,7 +7,7 @@ command imports only for the data that needs them (tests/toolkit/training/test_m
 # toolkit/training/dpo_reference.py), computed in the step from a frozen copy when "frozen".
 REFERENCE_LOGPS = "reference_logps"
 # GRPO's reference log-probability of each position's target, (rows, length) float32, when the
-# state holds a frozen reference copy (toolkit/training/tasks.py `grpo_reference`).
+# state holds a frozen reference copy (toolkit/training/objectives/tasks.py `grpo_reference`).
 REFERENCE_TOKEN_LOGPS = "reference_token_logps"
 
 # GRPO's reductions that average over the batch's completion tokens: their batches name the

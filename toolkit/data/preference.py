@@ -1,4 +1,4 @@
-"""Preference pairs for preference tuning (toolkit/training/dpo.py): a prompt with a
+"""Preference pairs for preference tuning (toolkit/training/objectives/dpo.py): a prompt with a
 preferred (chosen) and a dispreferred (rejected) completion, through the model's chat template,
 as rows that each side's log-probability is read from.
 
@@ -53,7 +53,7 @@ KEYS = ("inputs", "targets", "completion_weights")
 REFERENCE = keys.REFERENCE_LOGPS  # (pairs, 2) float32, with dpo.reference="precomputed"
 def reference_precomputed(reference: str, lora_rank: int) -> bool:
   """Whether DPO's reference log-probabilities are precomputed (dpo.reference, whose values
-  toolkit/training/tasks.py `REFERENCES` lists): "precomputed", or "auto" without LoRA
+  toolkit/training/objectives/tasks.py `REFERENCES` lists): "precomputed", or "auto" without LoRA
   adapters; "base" (and "auto" with adapters) is the adapters' base model and "frozen" a copy
   of the starting weights in the train state, each run beside the policy in each step."""
   return reference == "precomputed" or (reference == "auto" and not lora_rank)

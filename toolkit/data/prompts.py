@@ -137,12 +137,12 @@ class PromptSource:
   ahead of time, toolkit.compile) — `rows` completions (prompts x generations) of `seq_len`
   positions: "inputs", "targets", the completion mask (`mask_key`), and per row "advantages"
   and "rewards". The batches themselves are sampled from the model being trained
-  (toolkit/post_training/grpo.py RolloutBatches, which `toolkit.train` puts in its place)."""
+  (toolkit/post_training/grpo_task.py RolloutBatches, which `toolkit.train` puts in its place)."""
 
   eval_batches = 0
   sampled = True  # loop.run needs `batches` to sample them
   needs = ("data.source='prompts' samples its batches from the model being trained: run it with "
-           "python -m toolkit.train, or toolkit.post_training.grpo.run(config, workdir)")
+           "python -m toolkit.train, or toolkit.post_training.grpo_task.run(config, workdir)")
 
   def __init__(self, rows: int, seq_len: int, loss: str, mesh, rules):
     place = lambda axes: NamedSharding(mesh, rules.activation_spec(axes, mesh))

@@ -64,7 +64,8 @@ import math
 import sharding
 from models import LlamaConfig, lora
 from models import attention as attention_lib
-from toolkit.training import config as config_lib, losses, tasks
+from toolkit.training import config as config_lib
+from toolkit.training.objectives import losses, tasks
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -86,7 +87,7 @@ class Shape:
   trainable_bytes_per_device: int | None = None
   trainable_count: int | None = None
   # Post-training's reference model as a frozen copy of the starting weights in the train
-  # state (dpo/grpo.reference, toolkit.training.tasks `frozen_reference`): params again.
+  # state (dpo/grpo.reference, toolkit.training.objectives.tasks `frozen_reference`): params again.
   reference_copy: bool = False
 
   @property
@@ -329,7 +330,7 @@ def executed_flops_per_device(shape: Shape) -> float:
       "save_attention": output_projection + 2 * mlp_projection,
   }.get(m.remat, 0)
   # The chunked vocabulary loss runs the output layer's three matmuls once, as the full-logits
-  # path does (toolkit.training.losses): nothing to add for it.
+  # path does (toolkit.training.objectives.losses): nothing to add for it.
   per_token = (m.flops_per_token(shape.seq_len) - m.attention_flops_per_token(shape.seq_len)
                + 2 * m.n_layers * recomputed + attention_flops_per_token(shape))
   stages = shape.activation_ways("layers")

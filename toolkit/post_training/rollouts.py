@@ -1,4 +1,4 @@
-"""Rollouts for reinforcement learning (GRPO, toolkit/training/grpo.py): G sampled completions
+"""Rollouts for reinforcement learning (GRPO, toolkit/training/objectives/grpo.py): G sampled completions
 of each prompt from the KV-cache engine (toolkit/inference: paged cache, continuous batching,
 prefix caching, so a prompt's G copies share its cached pages) on the training mesh, reading
 the training parameters where they are: no copy of the weights, no second process.
@@ -23,7 +23,7 @@ from toolkit.inference import engine as engine_lib
 from toolkit.inference.sampling import SamplingParams
 from toolkit.inference.scheduler import Result, generate
 from toolkit.data import prompts
-from toolkit.training import grpo
+from toolkit.training.objectives import grpo
 
 
 def completion_seed(seed: int, step: int, prompt: int, generation: int) -> int:
@@ -81,7 +81,7 @@ class Rollouts:
 
 def batch_of(groups: Sequence[Group], rewards: np.ndarray, seq_len: int, scale: str, loss: str,
              stop_token: int | None = None) -> dict[str, np.ndarray]:
-  """The GRPO step's batch (toolkit/training/tasks.py `grpo_loss`) from the groups and their
+  """The GRPO step's batch (toolkit/training/objectives/tasks.py `grpo_loss`) from the groups and their
   (prompts, G) rewards: a row per completion, prompt-major, the prompt then the completion (and
   `stop_token` after a completion that stopped on it, so the model learns to stop) cut to
   `seq_len` + 1 tokens; the completion mask on the targets that are completion tokens; each

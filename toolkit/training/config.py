@@ -22,7 +22,8 @@ from toolkit.data import text
 from toolkit import workdir as workdir_lib
 from toolkit import xla_flags
 from toolkit.errors import ConfigError
-from toolkit.training import init_from, post_training_checks
+from toolkit.training import init_from
+from toolkit.training.objectives import checks
 from toolkit.training.profiler import parse_profile_steps
 from toolkit.training.ranges import RANGES, numeric_fields
 
@@ -108,7 +109,7 @@ def defaults() -> ml_collections.ConfigDict:
 
 def _post_training_defaults(c: ml_collections.ConfigDict) -> None:
   """The post-training tasks' sections of `defaults()`: dpo and grpo."""
-  # Preference tuning (data.source="preference": toolkit/training/dpo.py, tasks.py): the
+  # Preference tuning (data.source="preference": toolkit/training/objectives/dpo.py, tasks.py): the
   # reward scale beta, the loss (sigmoid, hinge, ipo, robust) and, for robust, the
   # probability that a pair's labels are flipped. reference: where the reference model's
   # log-probabilities come from: "base" (a LoRA model's base: the adapters off, a forward pass
@@ -118,8 +119,8 @@ def _post_training_defaults(c: ml_collections.ConfigDict) -> None:
   # parameters) or "auto" (base with LoRA adapters, else precomputed).
   c.dpo = ml_collections.ConfigDict(dict(beta=0.1, loss="sigmoid", label_smoothing=0.0,
                                          reference="auto"))
-  # Reinforcement learning (data.source="prompts": toolkit/post_training/grpo.py, the
-  # objective toolkit/training/grpo.py): completions sampled per prompt and their length and
+  # Reinforcement learning (data.source="prompts": toolkit/post_training/grpo_task.py, the
+  # objective toolkit/training/objectives/grpo.py): completions sampled per prompt and their length and
   # sampling; the KL penalty beta (0 is off) and its reference ("base": a LoRA model's base;
   # "frozen": a copy of the starting weights in the train state, as many bytes again as the
   # parameters; "auto": base with LoRA adapters, else frozen), the clip range, the reduction
@@ -170,7 +171,7 @@ _SOURCES = {"lm": ("stdlib_docs", "synthetic", "tokens", "chat", "preference", "
             "dpo": ("preference",), "grpo": ("prompts",),
             "classification": ("digits", "npz", "image_folder", "synthetic")}
 _TASK_OF_KIND = {"llama": "lm", "vit": "classification"}
-# An LM's data.source values that make it another task (toolkit/training/post_training_checks.py).
+# An LM's data.source values that make it another task (toolkit/training/objectives/checks.py).
 _POST_TRAINING = {"preference": "dpo", "prompts": "grpo"}
 # The tasks whose model is the language model: its checkpoints generate, serve and evaluate.
 LANGUAGE_MODEL_TASKS = ("lm", *_POST_TRAINING.values())
@@ -222,9 +223,9 @@ def resolve(config: ml_collections.ConfigDict,
     from toolkit.data import chat  # pylint: disable=g-import-not-at-top  # imports Grain
     chat.check_config(d)
   if task == "dpo":
-    post_training_checks.check_preference(config, model, mesh, defaults().dpo)
+    checks.check_preference(config, model, mesh, defaults().dpo)
   if task == "grpo":
-    post_training_checks.check_grpo(config, model, mesh, defaults().grpo)
+    checks.check_grpo(config, model, mesh, defaults().grpo)
   if d.source == "stdlib_docs" and model.vocab_size < 256:
     raise ConfigError(f"model.vocab_size={model.vocab_size} is below 256, the byte-level "
                       f"vocabulary of data.source='stdlib_docs'; set model.vocab_size>=256")

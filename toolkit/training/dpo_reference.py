@@ -28,7 +28,7 @@ from toolkit import workdir as workdir_lib
 from toolkit.accelerators import human_bytes
 from toolkit.data import preference
 from toolkit.errors import ConfigError
-from toolkit.training import tasks
+from toolkit.training.objectives import tasks
 from toolkit.training.setup import Setup
 
 FILE = "dpo_reference.npz"

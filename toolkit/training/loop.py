@@ -23,7 +23,8 @@ from toolkit.training.checkpoints import checkpoint, integrity
 from toolkit.training import metrics as metrics_lib, profiler as profiler_lib
 from toolkit.training import programs as programs_lib
 from toolkit.training.checkpoints import resume, tiers
-from toolkit.training import state as state_lib, step as step_lib, stragglers, tasks
+from toolkit.training import state as state_lib, step as step_lib, stragglers
+from toolkit.training.objectives import tasks
 from toolkit.training.checkpoints import storage
 from toolkit.training.setup import Setup, build, peak_flops_total, units_of, work_per_step
 from toolkit.training.startup import checkpoint_bytes, log, log_setup, prepare_workdir, write_config

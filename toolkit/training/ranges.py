@@ -88,7 +88,7 @@ RANGES: dict[str, Range] = {
     "model.patch_size": count("patch height and width in pixels"),
     "model.channels": count("image channels"),
     "model.num_classes": count("classes"),
-    # the vocabulary loss (toolkit/training/losses.py)
+    # the vocabulary loss (toolkit/training/objectives/losses.py)
     "model.pipeline_microbatches": count("micro-batches of a pipeline over the stage mesh "
                                          "axis; 0 is no pipeline", low=0),
     "model.pipeline_repeats": count("rounds of the circular pipeline schedule; 1 is GPipe"),

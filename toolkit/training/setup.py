@@ -16,7 +16,8 @@ import optax
 from toolkit import accelerators
 from toolkit import data as data_lib
 from toolkit.training import config as config_lib, metrics as metrics_lib, state as state_lib
-from toolkit.training import step as step_lib, tasks
+from toolkit.training import step as step_lib
+from toolkit.training.objectives import tasks
 from toolkit.training.programs import Programs
 
 

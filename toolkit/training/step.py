@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
 from models import lora
-from toolkit.training import losses
+from toolkit.training.objectives import losses
 from toolkit.training.programs import Programs
 from toolkit.training.state import State, StateLayout, combine, split_trainable
 
@@ -87,7 +87,7 @@ def token_order(batch: Batch) -> dict[str, jax.Array]:
 
 def cross_entropy_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> jax.Array:
   """Mean next-token cross-entropy (nats) of batch["targets"] given batch["inputs"] (over
-  chunks of the vocabulary loss when the model's loss_chunk is set: `toolkit.training.losses`)."""
+  chunks of the vocabulary loss when the model's loss_chunk is set: `toolkit.training.objectives.losses`)."""
   model = nnx.merge(graphdef, params)
   return losses.next_token_loss(model, **token_order(batch))[0]
 
@@ -97,7 +97,7 @@ def lm_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> tuple[jax.Array, Me
   vocabulary when model.loss_chunk is set) plus model.z_loss x mean(logsumexp^2) plus the
   model's auxiliary loss (a mixture of experts' weighted router losses; 0 for a dense model),
   and the model's metrics (router statistics; none for a dense model). See
-  `toolkit.training.losses`."""
+  `toolkit.training.objectives.losses`."""
   model = nnx.merge(graphdef, params)
   return losses.next_token_objective(model, **token_order(batch))
 
@@ -205,7 +205,7 @@ def with_reference(reference: Callable | None, state: State, batch: Batch,
                    microbatches: int = 1) -> Batch:
   """`batch` plus the entries `reference(params, batch)` computes from the state's frozen copy
   of the starting parameters (post-training's reference model: DPO's log-probabilities of
-  each side, GRPO's of each token; toolkit.training.tasks) when the state holds one, else
+  each side, GRPO's of each token; toolkit.training.objectives.tasks) when the state holds one, else
   `batch` as given. Forward passes only, one per micro-batch of the step's split, so they
   hold no more activations than the step's own."""
   if "reference" not in state:
@@ -245,7 +245,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                     reference: Callable | None = None) -> TrainStep:
   """`loss(graphdef, params, batch)` -> (mean loss, metrics) (default: `lm_loss`) and
   `evaluate(graphdef, params, batch)` -> eval output (default: next-token cross-entropy);
-  see toolkit.training.tasks. Gradients and updates cover the trainable parameters only
+  see toolkit.training.objectives.tasks. Gradients and updates cover the trainable parameters only
   (`state.split_trainable`: a LoRA model's adapters); `adapter_values` as in
   `adapter_training`. `reference(graphdef, params, batch)` -> batch entries: what the task
   reads from a frozen reference copy, for states that hold one (`with_reference`)."""

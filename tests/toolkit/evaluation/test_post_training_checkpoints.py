@@ -12,7 +12,7 @@ from toolkit import training
 from toolkit.evaluation import harness, offline as evaluation
 from toolkit.inference import offline as generation
 from toolkit.inference.sampling import SamplingParams
-from toolkit.post_training import grpo as grpo_lib
+from toolkit.post_training import grpo_task as grpo_lib
 
 CHOICE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "experiments", "eval_tasks",
                       "arithmetic_choice.yaml")

@@ -13,7 +13,7 @@ import pytest
 from tests.tiny_runs import TOLERANCE
 from tests.toolkit.post_training import test_grpo_task
 from toolkit.pod import local
-from toolkit.post_training import grpo
+from toolkit.post_training import grpo_task
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # a 2-process run: ~1 min
 
@@ -34,7 +34,7 @@ def test_two_processes_sample_and_train_as_one(tmp_path):
   held_out.write_text("".join(json.dumps(r) + "\n" for r in HELD_OUT))
   config = test_grpo_task._config()  # fsdp 4 x tensor 2 on 8 devices
   config.data.eval_path = str(held_out)
-  reference = _records_of(grpo.run(config, str(tmp_path / "one")), tmp_path / "one")
+  reference = _records_of(grpo_task.run(config, str(tmp_path / "one")), tmp_path / "one")
 
   args = ["--config=experiments/grpo.py:tiny", "--config.mesh.ici=fsdp:4,tensor:2",
           "--config.sharding.preset=fsdp_tp", f"--config.grpo.reward={test_grpo_task.REWARD}",

@@ -1,4 +1,4 @@
-"""One GRPO step (toolkit/training/tasks.py `grpo_loss`) on rollouts sampled by the engine
+"""One GRPO step (toolkit/training/objectives/tasks.py `grpo_loss`) on rollouts sampled by the engine
 (toolkit/post_training/rollouts.py `batch_of`): sharded over 8 devices it computes the loss and
 update of one device (with and without LoRA) and of 2 micro-batches (the token mean); its
 value is the float64 one of a ratio of 1 (one gradient step per rollout); the KL penalty's
@@ -18,7 +18,8 @@ from tests.tiny_runs import TOLERANCE, assert_trees_close
 from toolkit import training
 from toolkit.inference.sampling import SamplingParams
 from toolkit.post_training import rollouts as rollouts_lib
-from toolkit.training import state as state_lib, step as step_lib, tasks
+from toolkit.training import state as state_lib, step as step_lib
+from toolkit.training.objectives import tasks
 
 GENERATIONS, MAX_TOKENS, SEQ_LEN = 4, 5, 12
 PROMPTS = [np.array([5, 6, 7], np.int32), np.array([9, 2], np.int32),

@@ -1,4 +1,4 @@
-"""GRPO as a training task (data.source="prompts", toolkit/post_training/grpo.py): a run samples
+"""GRPO as a training task (data.source="prompts", toolkit/post_training/grpo_task.py): a run samples
 its batches from the model it trains, on 8 devices as on one; a stopped run resumes with the
 same rollouts and losses (a full fine-tune's KL reference, a frozen copy, restored with it);
 the held-out evaluation is the greedy answers' mean reward; each setting it cannot run is one
@@ -18,7 +18,7 @@ from experiments import lm as lm_experiment
 from tests.tiny_runs import TOLERANCE
 from toolkit import training
 from toolkit.errors import ConfigError
-from toolkit.post_training import grpo
+from toolkit.post_training import grpo_task
 from toolkit.training import config as config_lib
 
 STEPS = 4
@@ -50,8 +50,8 @@ def _records(workdir) -> dict[int, dict]:
 
 @pytest.mark.slow  # 27 s; the step's own sharded == one device is in make test (test_grpo_step.py)
 def test_a_run_on_8_devices_trains_as_on_one(tmp_path):
-  sharded = grpo.run(_config(), str(tmp_path / "sharded"))
-  one = grpo.run(_config("data:1,fsdp:1,tensor:1", "fsdp"), str(tmp_path / "one"),
+  sharded = grpo_task.run(_config(), str(tmp_path / "sharded"))
+  one = grpo_task.run(_config("data:1,fsdp:1,tensor:1", "fsdp"), str(tmp_path / "one"),
                  devices=jax.devices()[:1])
   a, b = _records(tmp_path / "sharded"), _records(tmp_path / "one")
   assert sorted(a) == list(range(1, STEPS + 1))
@@ -78,7 +78,7 @@ def test_the_state_to_sample_from_is_computed_before_observe_returns():
   is the step's time, not the next rollout's (goodput and the rollouts' line split them)."""
   config = _config("data:1,fsdp:1,tensor:1", "fsdp")
   setup = training.build(config, devices=jax.devices()[:1])
-  batches = grpo.batches_for(config, log=lambda line: None)(setup)
+  batches = grpo_task.batches_for(config, log=lambda line: None)(setup)
   slow = jax.jit(lambda x: jax.lax.fori_loop(0, 200, lambda _, y: jnp.tanh(y @ y), x))
   params = {"w": slow(jnp.ones((512, 512)))}  # dispatched, ~0.5 s of compute to come
   batches.observe({"params": params})
@@ -131,12 +131,12 @@ def test_a_stopped_run_resumes_with_the_same_rollouts_and_its_frozen_copy(tmp_pa
   checkpointed with the state, and the KL grows from 0 as the policy leaves its start."""
   config = _config()
   config.model.lora_rank, config.grpo.beta = 0, 0.04
-  grpo.run(config, str(tmp_path / "straight"))
+  grpo_task.run(config, str(tmp_path / "straight"))
   assert "reference: a frozen copy of the starting weights" in capsys.readouterr().out
   config.train.steps = 2
-  grpo.run(config, str(tmp_path / "stopped"))
+  grpo_task.run(config, str(tmp_path / "stopped"))
   config.train.steps = STEPS
-  grpo.run(config, str(tmp_path / "stopped"))
+  grpo_task.run(config, str(tmp_path / "stopped"))
   straight, resumed = _records(tmp_path / "straight"), _records(tmp_path / "stopped")
   assert straight[1]["kl"] == pytest.approx(0.0, abs=1e-6) and straight[STEPS]["kl"] > 1e-4
   for step in straight:
@@ -152,7 +152,7 @@ def test_a_stopped_run_resumes_with_the_same_rollouts_and_its_frozen_copy(tmp_pa
 ])
 def test_a_reward_that_does_not_load_is_one_error(spec, words):
   with pytest.raises(ConfigError, match=words):
-    grpo.load_reward(spec)
+    grpo_task.load_reward(spec)
 
 
 def test_the_pod_scale_variant_trains_adapters_on_prompts_times_generations_rows():
@@ -193,8 +193,8 @@ def _moe_config(ici: str):
 def test_a_mixture_of_experts_run_over_the_expert_axis_trains_as_on_one_device(tmp_path):
   """GRPO on a mesh with experts split 4 ways (fsdp 2 x expert 4) samples the same
   completions as one device and trains to its losses."""
-  grpo.run(_moe_config("data:1,fsdp:2,expert:4"), str(tmp_path / "experts"))
-  grpo.run(_moe_config("data:1,fsdp:1,expert:1"), str(tmp_path / "one"),
+  grpo_task.run(_moe_config("data:1,fsdp:2,expert:4"), str(tmp_path / "experts"))
+  grpo_task.run(_moe_config("data:1,fsdp:1,expert:1"), str(tmp_path / "one"),
            devices=jax.devices()[:1])
   a, b = _records(tmp_path / "experts"), _records(tmp_path / "one")
   assert sorted(a) == list(range(1, STEPS + 1)) and sorted(b) == sorted(a)

@@ -1,4 +1,4 @@
-"""Preference tuning as a training task (data.source="preference", toolkit/training/tasks.py):
+"""Preference tuning as a training task (data.source="preference", toolkit/training/objectives/tasks.py):
 the reference is the base model without its adapters, bitwise, the starting weights'
 precomputed log-probabilities, or a frozen copy of them in the train state (a LoRA run trains
 the same with each; a full fine-tune the same with the last two); the step sharded and in
@@ -20,7 +20,8 @@ from experiments import dpo as dpo_experiment
 from tests.tiny_runs import TOLERANCE, assert_trees_close, train_steps
 from toolkit import training
 from toolkit.errors import ConfigError
-from toolkit.training import config as config_lib, dpo_reference, state as state_lib, tasks
+from toolkit.training import config as config_lib, dpo_reference, state as state_lib
+from toolkit.training.objectives import tasks
 from toolkit.tuning import population, search
 
 STEPS = 6

@@ -96,7 +96,7 @@ def test_post_training_plots_its_measures_of_progress_beside_the_loss(tmp_path, 
   """Issue 62: GRPO's loss.png was a flat line at 0 (its loss is 0 on a step whose groups all
   scored alike). Beside the loss it now plots the reward and the held-out solved share, and
   DPO's the preference accuracies."""
-  from toolkit.post_training import grpo  # pylint: disable=g-import-not-at-top
+  from toolkit.post_training import grpo_task  # pylint: disable=g-import-not-at-top
   from toolkit.training import metrics  # pylint: disable=g-import-not-at-top
   figures = []
   monkeypatch.setattr(metrics, "save_figure", lambda fig, path: figures.append(fig))
@@ -118,7 +118,7 @@ def test_post_training_plots_its_measures_of_progress_beside_the_loss(tmp_path, 
     metrics.plot_loss_curve(str(path), str(tmp_path / "loss.png"))
     axes = figures[-1].axes
     assert [line.get_label() for line in axes[-1].get_lines()] == labels, name
-  assert "loss and grad_norm are 0 when every completion" in grpo.ZERO_LOSS_NOTE
+  assert "loss and grad_norm are 0 when every completion" in grpo_task.ZERO_LOSS_NOTE
 
 
 @pytest.mark.parametrize("source, tokenizer, unit", [

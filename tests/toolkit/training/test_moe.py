@@ -187,7 +187,7 @@ def test_expert_axis_alone_really_splits_the_moe_work(compiled):
 
 
 def test_chunked_vocabulary_loss_adds_the_router_losses(initial_params):
-  """The MoE trains on the chunked vocabulary loss (toolkit.training.losses) plus its router
+  """The MoE trains on the chunked vocabulary loss (toolkit.training.objectives.losses) plus its router
   losses: in chunks of 2 positions, on one device and split over expert:8, the loss, router
   metrics and gradients equal those over full logits on one device, and the loss is the
   cross-entropy plus the weighted router losses."""

@@ -24,9 +24,10 @@ from tests import extras
 from tests.tiny_runs import TOLERANCE, assert_trees_close, tiny_config
 from toolkit import training
 from toolkit.data import shards
-from toolkit.training import state as state_lib, step as step_lib, tasks
+from toolkit.training import state as state_lib, step as step_lib
 
 # Tokens per document, and the documents of each row of LENGTH (input, target) positions: a
+from toolkit.training.objectives import tasks
 # document of n tokens fills n - 1; the rest of a row is padding.
 DOCUMENTS = (9, 14, 5, 20, 12, 7, 17, 11, 33)
 ROWS = ((0, 1, 2), (3, 4), (5, 6, 7), (8,))

@@ -10,7 +10,8 @@ from flax import nnx
 from experiments import lm, vit
 from models import ViT, ViTConfig
 from toolkit.errors import ConfigError
-from toolkit.training import config as config_lib, tasks
+from toolkit.training import config as config_lib
+from toolkit.training.objectives import tasks
 
 
 def _reference_loss(logits: np.ndarray, labels: np.ndarray, smoothing: float) -> float:

@@ -1,4 +1,4 @@
-"""toolkit/training/dpo.py against two references: a float64 NumPy computation of the
+"""toolkit/training/objectives/dpo.py against two references: a float64 NumPy computation of the
 same objectives (values, and gradients with respect to the logits by central differences), and
 trl's own DPOTrainer loss computed from the same per-token log-probabilities."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from tests import extras
 from tests.tiny_runs import TOLERANCE
-from toolkit.training import dpo
+from toolkit.training.objectives import dpo
 
 PAIRS, LENGTH, VOCAB = 4, 10, 13
 # Each variant's settings: (loss, beta, label_smoothing).

@@ -9,7 +9,7 @@ A pair is one prompt with a preferred (chosen) and a dispreferred (rejected) com
 side's log-probability is the sum of its completion tokens' log-probabilities (prompt tokens and
 padding carry weight 0). With h = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) -
 log ref(rejected)), the per-pair losses (`LOSSES`) are the ones trl's DPOTrainer computes
-(trl 1.16, `loss_type`; tests/toolkit/training/test_dpo.py compares them):
+(trl 1.16, `loss_type`; tests/toolkit/training/objectives/test_dpo.py compares them):
 
   sigmoid   -log sigmoid(beta h)                                    DPO
   hinge     max(0, 1 - beta h)                                      SLiC

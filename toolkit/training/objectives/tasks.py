@@ -13,15 +13,15 @@ its training loss as configured:
                   1 for a real example and 0 for padding; trained against label-smoothed
                   targets when `train.label_smoothing` > 0 (`for_run`), evaluated against the
                   labels themselves
-  dpo             direct preference optimization (toolkit/training/dpo.py, the `dpo` config
+  dpo             direct preference optimization (toolkit/training/objectives/dpo.py, the `dpo` config
                   section) against a reference model (a LoRA model's base, the starting
                   weights' precomputed log-probabilities, or a frozen copy); batch {"inputs", "targets"
                   int32, "completion_weights" float32} (pairs, 2, length), side 0 chosen and
                   side 1 rejected (toolkit/data/preference.py); evaluated as the held-out
                   pairs' loss, preference accuracy and reward margin
-  grpo            group relative policy optimization (toolkit/training/grpo.py, the `grpo`
+  grpo            group relative policy optimization (toolkit/training/objectives/grpo.py, the `grpo`
                   config section) on completions sampled from the model being trained
-                  (toolkit/post_training/grpo.py); batch {"inputs", "targets", the completion
+                  (toolkit/post_training/grpo_task.py); batch {"inputs", "targets", the completion
                   mask, "advantages", "rewards"} (`grpo_loss`); evaluated as the held-out
                   prompts' mean reward, answered greedily
 """
@@ -40,7 +40,7 @@ from flax import nnx
 
 from models import lora
 from toolkit.data import keys
-from toolkit.training import dpo, grpo
+from toolkit.training.objectives import dpo, grpo
 from toolkit.training.step import cross_entropy_loss, lm_loss
 
 Batch = dict[str, jax.Array]
@@ -173,7 +173,7 @@ def _objective(logps, tokens, reference, **settings):
 
 def preference_loss(graphdef: nnx.GraphDef, params, batch: Batch, *, beta: float, loss: str,
                     label_smoothing: float) -> tuple[jax.Array, dict]:
-  """DPO's objective (toolkit/training/dpo.py) against the reference (`_policy_and_reference`)."""
+  """DPO's objective (toolkit/training/objectives/dpo.py) against the reference (`_policy_and_reference`)."""
   return _objective(*_policy_and_reference(graphdef, params, batch), beta=beta, loss=loss,
                     label_smoothing=label_smoothing)
 
@@ -209,7 +209,7 @@ def preference_summary(results: Sequence[dict]) -> dict:
 
 def grpo_loss(graphdef: nnx.GraphDef, params, batch: Batch, *, beta: float, epsilon: float,
               epsilon_high: float, loss: str) -> tuple[jax.Array, dict]:
-  """GRPO's clipped policy loss (toolkit/training/grpo.py) of one gradient step per rollout:
+  """GRPO's clipped policy loss (toolkit/training/objectives/grpo.py) of one gradient step per rollout:
   the sampling model is the one being trained, so each ratio is 1 in value and carries the
   gradient; with `beta` > 0 the KL penalty is to the reference: the batch's log-probabilities
   of a frozen copy of the starting weights (keys.REFERENCE_TOKEN_LOGPS, put there by the
@@ -255,7 +255,7 @@ def token_logps(graphdef: nnx.GraphDef, params, batch: Batch) -> jax.Array:
 
 def grpo_eval(graphdef: nnx.GraphDef, params, batch: Batch, **settings) -> dict:
   """A GRPO batch's loss: what the compiled eval step computes. The run's evaluation is the
-  held-out prompts' rewards, from the engine (toolkit/post_training/grpo.py `evaluate`)."""
+  held-out prompts' rewards, from the engine (toolkit/post_training/grpo_task.py `evaluate`)."""
   return {"loss": grpo_loss(graphdef, params, batch, **settings)[0]}
 
 

@@ -1,4 +1,4 @@
-"""toolkit/training/grpo.py on fixed rollouts against two references: trl's own GRPOTrainer
+"""toolkit/training/objectives/grpo.py on fixed rollouts against two references: trl's own GRPOTrainer
 loss (1.16) computed in float64 from the same per-token log-probabilities, its gradient by
 torch's autograd, and a float64 NumPy computation of the group advantages."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from tests import extras
 from tests.tiny_runs import TOLERANCE
-from toolkit.training import grpo
+from toolkit.training.objectives import grpo
 
 PROMPTS, GENERATIONS, PROMPT, COMPLETION, VOCAB = 3, 4, 3, 7, 11
 ROWS = PROMPTS * GENERATIONS

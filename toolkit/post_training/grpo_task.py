@@ -3,7 +3,7 @@
 mesh from the parameters being trained (rollouts.py), scores each with the reward function the
 experiment names (`grpo.reward`, "module:function" or "path/file.py:function", called as
 reward(completion_text, answer) -> float on the completion decoded up to the chat template's end
-of turn), and takes one gradient step of GRPO's objective (toolkit/training/grpo.py,
+of turn), and takes one gradient step of GRPO's objective (toolkit/training/objectives/grpo.py,
 tasks.grpo_loss) on the batch `rollouts.batch_of` builds.
 
 `RolloutBatches` stands in for the run's data source in the training loop (`loop.run`'s

@@ -13,7 +13,7 @@ def check_preference(config: ml_collections.ConfigDict, model, mesh: Mesh,
                      default: ml_collections.ConfigDict) -> None:
   """Preference tuning (task dpo): the objective's settings, a reference the model has (the
   base needs LoRA adapters), no dropout, whole rows on each device."""
-  from toolkit.training import dpo  # pylint: disable=g-import-not-at-top
+  from toolkit.training.objectives import dpo  # pylint: disable=g-import-not-at-top
   settings = config.get("dpo", default)
   try:
     dpo.check(settings.beta, settings.loss, settings.label_smoothing)
@@ -26,7 +26,7 @@ def check_preference(config: ml_collections.ConfigDict, model, mesh: Mesh,
 
 def _check_reference(task: str, settings, model, instead: str) -> None:
   """The section's `reference` is one the task knows and the model has (tasks.REFERENCES)."""
-  from toolkit.training import tasks  # pylint: disable=g-import-not-at-top
+  from toolkit.training.objectives import tasks  # pylint: disable=g-import-not-at-top
   reference = settings.get("reference", "auto")
   if reference not in tasks.REFERENCES[task]:
     raise ConfigError(f"{task}.reference={reference!r} is unknown; choose one of "
@@ -41,7 +41,7 @@ def check_grpo(config: ml_collections.ConfigDict, model, mesh: Mesh,
   """Reinforcement learning (task grpo): the objective's settings (the sampling's numbers are
   ranges.py's), a reward function named, a KL reference the model has and reads, room for the
   completions."""
-  from toolkit.training import grpo  # pylint: disable=g-import-not-at-top
+  from toolkit.training.objectives import grpo  # pylint: disable=g-import-not-at-top
   settings = config.get("grpo", default)
   try:
     grpo.check(settings.beta, settings.epsilon, settings.epsilon_high, settings.loss,

@@ -1,4 +1,4 @@
-"""The vocabulary loss (toolkit.training.losses): chunked == over full logits, in value and
+"""The vocabulary loss (toolkit.training.objectives.losses): chunked == over full logits, in value and
 gradients, with and without z-loss, sharded and not; and the compiled step's temporaries
 shrink by at least the logits when chunked."""
 import dataclasses
@@ -15,7 +15,8 @@ import sharding
 from models import Llama, LlamaConfig
 from tests.tiny_runs import TOLERANCE, assert_trees_close
 from toolkit import training
-from toolkit.training import config as config_lib, losses, step as step_lib
+from toolkit.training import config as config_lib, step as step_lib
+from toolkit.training.objectives import losses
 
 
 def _model(**overrides):
