@@ -154,7 +154,7 @@ class LlamaConfig:
     parameters a token uses (the router and its experts_per_token experts in an MoE layer)
     plus attention (`attention_flops_per_token`: halved when causal). With LoRA the frozen
     weights cost 4 (no weight gradient) and the adapters 6 per parameter. Remat's recomputation
-    is not counted: it is work the step executes (toolkit.pod.estimate), not model FLOPs."""
+    is not counted: it is work the step executes (toolkit.planning.estimate), not model FLOPs."""
     matmul_params = (self.n_layers * self.layer_matmul_params(active=True)
                      + self.vocab_size * self.d_model)
     attention = self.attention_flops_per_token(seq_len)

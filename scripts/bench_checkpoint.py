@@ -169,7 +169,7 @@ def main(argv) -> None:
 
 def _tpu_fingerprint_cost() -> dict:
   from experiments import lm  # pylint: disable=g-import-not-at-top
-  from toolkit.pod import target as target_lib  # pylint: disable=g-import-not-at-top
+  from toolkit.planning import target as target_lib  # pylint: disable=g-import-not-at-top
   reason = target_lib.libtpu_missing_reason()
   if reason:
     print(f"no TPU fingerprint cost: {reason}")

@@ -136,7 +136,7 @@ def main(argv) -> None:
   from models import Llama, LlamaConfig  # pylint: disable=g-import-not-at-top
   from scripts import timing  # pylint: disable=g-import-not-at-top
   from toolkit.inference import engine as engine_lib  # pylint: disable=g-import-not-at-top
-  from toolkit.pod.report import human_count  # pylint: disable=g-import-not-at-top
+  from toolkit.planning.report import human_count  # pylint: disable=g-import-not-at-top
 
   cfg = LlamaConfig.preset(_MODEL.value)
   params = nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(params=0)), nnx.Param))

@@ -34,7 +34,7 @@ import jax  # noqa: E402  pylint: disable=wrong-import-position
 
 from experiments import lm, moe  # noqa: E402  pylint: disable=wrong-import-position
 from toolkit import training  # noqa: E402  pylint: disable=wrong-import-position
-from toolkit.pod.report import human_count  # noqa: E402  pylint: disable=wrong-import-position
+from toolkit.planning.report import human_count  # noqa: E402  pylint: disable=wrong-import-position
 from toolkit.training import state as state_lib, step as step_lib  # noqa: E402
 
 _SIZE = flags.DEFINE_enum("size", "tiny", ["tiny", "cpu"], "Model sizes: tiny (moe_tiny vs "

@@ -1,4 +1,4 @@
-"""Calibration: toolkit/pod/estimate.py's step time against the measured step on this CPU, for
+"""Calibration: toolkit/planning/estimate.py's step time against the measured step on this CPU, for
 three layouts on 8 simulated devices (issue 33, item 5; the table is in docs/compile.md).
 
   python scripts/calibrate_cpu.py              # the three configs, 3 runs each: ~10 minutes
@@ -10,7 +10,7 @@ built as toolkit.training builds it (scripts/timing.py). The measured time is th
 ROUNDS rounds of STEPS steps after WARMUP untimed ones. The estimate is toolkit.compile's,
 `estimate.step_seconds`: the executed FLOPs per device (remat recompute included) at the
 matmul peak, plus the compiled program's memory traffic outside the matmuls
-(`toolkit.pod.traffic`) at the memory bandwidth, plus the collectives' analytic bytes per
+(`toolkit.planning.traffic`) at the memory bandwidth, plus the collectives' analytic bytes per
 device. Both rates are measured beside each run, on all 8 simulated devices at once (they
 share the host's cores and memory): the peak as float32 (1024 x 1024) matmuls, the
 bandwidth as an elementwise update of 64 MiB per device (bytes read + written per second).
@@ -103,7 +103,7 @@ def memory_bytes_per_second(devices, mib: int = BANDWIDTH_MIB,
 def measure(cfg: Config, devices, peak: float, bandwidth: float) -> dict:
   """One config's measured and estimated seconds per step."""
   from scripts import timing  # pylint: disable=g-import-not-at-top
-  from toolkit.pod import estimate, traffic  # pylint: disable=g-import-not-at-top
+  from toolkit.planning import estimate, traffic  # pylint: disable=g-import-not-at-top
   config = experiment(cfg)
   built = timing.toolkit_step(config, devices)
   _, seconds = timing.time_step_rounds(built.compiled, built.state, built.batch, WARMUP,

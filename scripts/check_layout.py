@@ -7,10 +7,10 @@ The direction, lowest first (a module may import its own layer and the layers be
 
   sharding  <-  models  <-  toolkit's shared helpers (errors, accelerators, workdir,
   runtime, xla_flags, command_line)  <-  toolkit/data, toolkit/hf  <-  toolkit/training  <-  the other
-  toolkit/<concern> subpackages (pod, inference, tuning, ...; never each other)  <-
-  toolkit/evaluation (the harness on the inference engine), toolkit/costing (prices the
-  planner's layouts), toolkit/post_training (rollouts from the engine for the training
-  step), toolkit/serving (the HTTP layer over the engine)  <-  toolkit's commands (toolkit/*.py)  <-  experiments, scripts
+  toolkit/<concern> subpackages (planning, pod, inference, tuning, ...; never each other)  <-
+  toolkit/evaluation (the harness on the inference engine), toolkit/post_training (rollouts
+  from the engine for the training step), toolkit/serving (the HTTP layer over the engine)
+  <-  toolkit's commands (toolkit/*.py)  <-  experiments, scripts
 
 Sizes: no module over 500 lines, no function over 80 lines (nested functions count towards
 the function they sit in), outside tests/.
@@ -76,12 +76,10 @@ def layer(module: str, known: dict[str, pathlib.Path]) -> tuple[int, str]:
     concern = parts[1]
     # hf (the Hugging Face format) ranks with data: training's `init_from=hf:DIR` reads
     # weights through it.
-    # evaluation runs the harness on inference's engine, costing prices pod's layouts,
-    # post_training samples rollouts with inference's engine for training's step: above the
-    # other concerns; serving is the HTTP layer over inference's engine.
+    # evaluation runs the harness on inference's engine, post_training samples rollouts with
+    # it for training's step and serving is the HTTP layer over it: above the other concerns.
     return {"data": (3, "data"), "hf": (3, "hf"), "training": (4, "training"),
-            "evaluation": (6, "evaluation"), "costing": (6, "costing"),
-            "post_training": (6, "post_training"),
+            "evaluation": (6, "evaluation"), "post_training": (6, "post_training"),
             "serving": (6, "serving")}.get(concern, (5, concern))
   return 7, "commands"  # toolkit/<command>.py
 

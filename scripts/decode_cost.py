@@ -55,7 +55,7 @@ def compile_decode(model_name: str, topology: str, mesh_text: str, preset: str, 
   import sharding  # pylint: disable=g-import-not-at-top
   from models import LlamaConfig  # pylint: disable=g-import-not-at-top
   from toolkit.inference import decode_cost as decode  # pylint: disable=g-import-not-at-top
-  from toolkit.pod.target import target_for  # pylint: disable=g-import-not-at-top
+  from toolkit.planning.target import target_for  # pylint: disable=g-import-not-at-top
   model_cfg = LlamaConfig.preset(model_name, scan_layers=not unroll)
   mesh = sharding.make_mesh(sharding.parse_axis_sizes(mesh_text, "--mesh"), [],
                             list(target_for(topology).devices))
@@ -74,7 +74,7 @@ def main(argv) -> None:
     jax.config.update("jax_num_cpu_devices", int(f.topology.split(":")[1]))
   r = decode_cost(f.model, f.topology, f.mesh, f.rules, f.batch, f.cache_length, f.unroll,
                   f.page_size, f.quantize)
-  from toolkit.pod.report import format_decode  # pylint: disable=g-import-not-at-top
+  from toolkit.planning.report import format_decode  # pylint: disable=g-import-not-at-top
   print(format_decode(r, f"{r['model']} on {r['topology']}"))
   if f.json:
     with open(f.json, "w") as out:

@@ -18,10 +18,10 @@ Rows, each timed after untimed warm-up calls (scripts/timing.py, shared with the
   decode (engine)  toolkit/inference's Engine on one device: the 1b-shaped model with bfloat16
                    weights, 64 rows decoding after a 128-token prompt (scripts/bench_generate.py
                    times it the same way)
-  estimate         toolkit/pod/estimate.py's step time for the 1b-shaped run (its Shape built
+  estimate         toolkit/planning/estimate.py's step time for the 1b-shaped run (its Shape built
                    as the planner builds it; the compiled step's memory traffic at the GPU's
                    HBM bandwidth) against the measured step: measured / estimate
-Bounds: every size above is fixed (the 1b-shaped run needs ~28 GiB by toolkit/pod/estimate.py,
+Bounds: every size above is fixed (the 1b-shaped run needs ~28 GiB by toolkit/planning/estimate.py,
 and ~0.3 s of compute per step at an H100/H200's peak), each timed loop stops after ROW_SECONDS,
 and a row that would start after --budget_s (default 9 minutes) is skipped and says so. A
 compile cannot be cut short: the sizes are what bound it.
@@ -135,7 +135,7 @@ def big_row(sizes: Sizes, devices, peak: tuple[float, str]) -> tuple[dict, dict]
   """The 1b-shaped step's row, and what the estimate row needs (setup, config, step_s, the
   compiled step's memory traffic)."""
   from scripts import timing  # pylint: disable=g-import-not-at-top
-  from toolkit.pod import traffic  # pylint: disable=g-import-not-at-top
+  from toolkit.planning import traffic  # pylint: disable=g-import-not-at-top
   config = big_config(sizes)
   built = timing.toolkit_step(config, devices)
   model = built.setup.spec.model
@@ -220,9 +220,9 @@ def decode_row(sizes: Sizes, devices) -> dict:
 
 
 def estimate_row(big: dict, peak: tuple[float, str]) -> dict:
-  """toolkit/pod/estimate.py's step time for the 1b-shaped run against its measured step."""
+  """toolkit/planning/estimate.py's step time for the 1b-shaped run against its measured step."""
   from toolkit import accelerators  # pylint: disable=g-import-not-at-top
-  from toolkit.pod import estimate  # pylint: disable=g-import-not-at-top
+  from toolkit.planning import estimate  # pylint: disable=g-import-not-at-top
   setup, config = big["setup"], big["config"]
   shape = estimate.shape_for(setup.spec, config, setup.layout.report)
   kind = setup.spec.mesh.devices.flat[0].device_kind
@@ -234,7 +234,7 @@ def estimate_row(big: dict, peak: tuple[float, str]) -> dict:
       gpu.dcn_bytes_per_second_per_chip if gpu else 0.0,
       big["memory"].memory_bytes, gpu.hbm_bytes_per_second_per_chip if gpu else 0.0)
   ratio = big["step_s"] / seconds["total_s"]
-  return _row("estimate", f"toolkit/pod/estimate.py for the 1b-shaped step (attention "
+  return _row("estimate", f"toolkit/planning/estimate.py for the 1b-shaped step (attention "
               f"{shape.attention}, its peak)", time_s=seconds["total_s"],
               estimate=seconds, measured_s=big["step_s"], ratio=ratio,
               result=f"measured {big['step_s'] * 1e3:,.1f} ms / estimated "

@@ -87,7 +87,7 @@ def main() -> None:
   from absl import app, flags  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from toolkit import command_line  # pylint: disable=g-import-not-at-top
-  from toolkit.pod.report import human_count  # pylint: disable=g-import-not-at-top
+  from toolkit.planning.report import human_count  # pylint: disable=g-import-not-at-top
   out = flags.DEFINE_string("out", None, "Required. The new model folder.")
   seed = flags.DEFINE_integer("seed", 0, "Seed of the random weights.")
   size = flags.DEFINE_enum("size", "tiny", list(SIZES), "Model size: tiny (the tests' model) "

@@ -51,7 +51,7 @@ START_TIMEOUT_S = 120  # the server's imports: ~3 s on a quiet machine
 _STORAGE = ("TENSORSTORE_", "GCSFS_", "FSSPEC_", "STORAGE_EMULATOR", "GOOGLE_", "GCE_", "NO_GCE")
 _READ_AT_IMPORT = ("JAX_", "TPU_", "LIBTPU", "PYTHON", *_STORAGE)
 # Set in this process's environment when a test loads libtpu (a TPU compile: JAX's TPU
-# initialization and toolkit/pod/target.py) and read only when a process loads libtpu, which the
+# initialization and toolkit/planning/target.py) and read only when a process loads libtpu, which the
 # server never does: ignored. They made every later command of a pytest process that had
 # compiled for a TPU start a new interpreter: the CLI's one-error-line cases took 46 s in make
 # test and 6 s without.

@@ -63,7 +63,7 @@ SKIP = {
     r"^make test": "the test suite itself",
     r"^pip install": "installs packages; make test has installed the tpu extra",
     r"--plan(\s|$)": "a layout search of up to --plan_budget_s=600 s; "
-                     "tests/toolkit/pod/test_compile.py's planner tests search small spaces",
+                     "tests/toolkit/planning/test_compile.py's planner tests search small spaces",
     r"--plan=plan\.json": "trains the 1b model from --plan's output on a pod; "
                           "tests/toolkit/test_cli.py applies a plan file",
     r"data=image_folder": "needs ImageNet in /data/imagenet",
@@ -97,7 +97,7 @@ SKIP = {
                                    "download, and a pod's memory); the CPU variant's commands "
                                    "run here",
     r"size=8b --topology=v5e-8": "compiles the 8b step for v5e-8 (0.5-5 min; the full "
-                                 "fine-tune exits 1: it does not fit); tests/toolkit/pod/"
+                                 "fine-tune exits 1: it does not fit); tests/toolkit/planning/"
                                  "test_compile_lora.py compiles both and checks their verdicts",
     r"--hosts_file=hosts": "an elastic job needs a host lost and returned mid-run; "
                            "tests/toolkit/pod/test_elastic.py runs the same supervisor and "
@@ -126,7 +126,7 @@ SHORTER = {
 }
 # pattern -> what goes at the end of the command. The 7b and 8x7b steps for 64 TPU chips
 # compile without the overlap flags: with them libtpu took 1.5x as long (108 s against 71 s for
-# the 7b here), and what they change is tests/toolkit/pod/test_overlap.py's to check.
+# the 7b here), and what they change is tests/toolkit/planning/test_overlap.py's to check.
 APPEND = {r"--topology=v5p-128": "--config.runtime.xla_flags=none"}
 # pattern -> why it runs in make test-slow only (over a minute here, even shortened).
 SLOW = {
@@ -143,26 +143,26 @@ SLOW = {
 # presubmit test runs the same module or script with its flags (COMMAND), on the documented
 # config or a smaller one. Commands no presubmit test runs (most benchmarks' --quick runs) stay
 # in the presubmit tier.
-_POD, _TUNING = "tests/toolkit/pod", "tests/toolkit/tuning"
+_POD, _PLANNING, _TUNING = "tests/toolkit/pod", "tests/toolkit/planning", "tests/toolkit/tuning"
 _INFERENCE, _SERVING = "tests/toolkit/inference", "tests/toolkit/serving"
 FULL = {
     r"toolkit\.compile .*--decode|decode_cost\.py --model=7b": (
-        tiers.COMPILE, f"{_POD}/test_compile_decode.py::"
+        tiers.COMPILE, f"{_PLANNING}/test_compile_decode.py::"
                        "test_int8_weights_halve_the_7b_decode_step_on_v5e_8"),
     r"toolkit\.compile .*moe\.py": (
-        tiers.COMPILE, f"{_POD}/test_compile.py::"
+        tiers.COMPILE, f"{_PLANNING}/test_compile.py::"
                        "test_moe_ragged_all_to_all_exchange_compiles_for_tpu"),
     r"toolkit\.compile .*--slices=2": (
-        tiers.COMPILE, f"{_POD}/test_compile.py::test_two_slices_flag_dcn_collectives"),
+        tiers.COMPILE, f"{_PLANNING}/test_compile.py::test_two_slices_flag_dcn_collectives"),
     r"toolkit\.compile .*--topology=cpu": (
-        tiers.COMPILE, f"{_POD}/test_compile.py::test_cli_compiles_for_simulated_host_devices"),
+        tiers.COMPILE, f"{_PLANNING}/test_compile.py::test_cli_compiles_for_simulated_host_devices"),
     r"toolkit\.compile": (
-        tiers.COMPILE, f"{_POD}/test_compile.py::test_cpu_lm_compiles_and_fits_on_small_slices"),
+        tiers.COMPILE, f"{_PLANNING}/test_compile.py::test_cpu_lm_compiles_and_fits_on_small_slices"),
     r"decode_cost\.py": (
         tiers.COMMAND, "tests/scripts/test_decode_cost.py::"
                        "test_decode_cost_reports_the_cache_it_compiled_for"),
     r"toolkit\.cost": (
-        tiers.COMMAND, "tests/toolkit/costing/test_cost_cli.py::"
+        tiers.COMMAND, "tests/toolkit/planning/cost/test_cost_cli.py::"
                        "test_the_ranking_table_json_and_plot"),
     r"toolkit\.sweep": (
         tiers.COMMAND, f"{_TUNING}/test_sweep.py::test_killed_sweep_resumes_to_the_same_table"),

@@ -58,8 +58,8 @@ def test_imports_against_the_direction_and_sideways_are_found(tmp_path):
       "toolkit/data/text.py": "from toolkit.training import loop\n",      # data -> training
       "toolkit/training/__init__.py": "",
       "toolkit/training/loop.py": "from toolkit.errors import ConfigError\n",  # fine
-      "toolkit/pod/__init__.py": "",
-      "toolkit/pod/aot.py": "import toolkit.inference.engine\n",          # sideways
+      "toolkit/planning/__init__.py": "",
+      "toolkit/planning/aot.py": "import toolkit.inference.engine\n",          # sideways
       "toolkit/inference/__init__.py": "",
       "toolkit/inference/engine.py": "from toolkit import train\n",       # up to a command
       "toolkit/hf/__init__.py": "",
@@ -69,7 +69,7 @@ def test_imports_against_the_direction_and_sideways_are_found(tmp_path):
       "models/llama.py": "from toolkit.errors import ConfigError\n",      # models -> toolkit
   })
   assert _rules(check_layout.check(root)) == {
-      ("direction", "toolkit/data/text.py"), ("sideways", "toolkit/pod/aot.py"),
+      ("direction", "toolkit/data/text.py"), ("sideways", "toolkit/planning/aot.py"),
       ("direction", "toolkit/inference/engine.py"), ("direction", "models/llama.py"),
       ("sideways", "toolkit/hf/reader.py")}
 

@@ -12,7 +12,7 @@ import pytest
 from tests import tiers
 
 _SEED_0 = "tests/test_documented_results.py::test_dpo_prefers_the_right_word_on_three_seeds"
-_STEP = "tests/toolkit/pod/test_compile.py::test_cpu_lm_compiles_and_fits_on_small_slices"
+_STEP = "tests/toolkit/planning/test_compile.py::test_cpu_lm_compiles_and_fits_on_small_slices"
 
 
 @dataclasses.dataclass
@@ -52,7 +52,7 @@ def test_a_full_mark_with_a_clause_and_a_presubmit_test_passes():
     (_full(by=_STEP), "the clause must be one of seeds, compile, command"),
     (_full("slow", by=_STEP), "the clause must be one of"),
     (_full(tiers.COMPILE), "`by` must name the presubmit test"),
-    (_full(tiers.COMPILE, by="tests/toolkit/pod/test_compile.py::test_no_such_test"),
+    (_full(tiers.COMPILE, by="tests/toolkit/planning/test_compile.py::test_no_such_test"),
      "`by` must name the presubmit test"),
     (_full(tiers.COMPILE, by="tests/no_such_file.py::test_x"), "`by` must name"),
 ])

@@ -1,5 +1,5 @@
 """`python -m toolkit.compile`: will this config fit, and how will it run, on a TPU pod?
-Answered from a laptop by the real compiler (toolkit/pod/aot.py explains the report).
+Answered from a laptop by the real compiler (toolkit/planning/aot.py explains the report).
 
   python -m toolkit.compile --config=experiments/lm.py:size=7b --topology=v5p-128
   python -m toolkit.compile --config=experiments/lm.py:size=7b --topology=v5p-128 --slices=2 \\
@@ -12,7 +12,7 @@ Answered from a laptop by the real compiler (toolkit/pod/aot.py explains the rep
 Exit status: 0 fits (or a CPU target), 1 does not fit (or the compiler failed otherwise: its
 first line is the error), 2 bad input (flags, config, sharding lint), each as one `error:` line.
 `--plan` searches meshes, rules, remat, micro-batches, attention and loss chunking instead
-(toolkit/pod/planner.py). `--decode` compiles the generation engine's decode step instead, for
+(toolkit/planning/planner.py). `--decode` compiles the generation engine's decode step instead, for
 the config's model, mesh and rules with the weights as `--quantize` serves them: weights per
 device (and their ratio to bfloat16's), the compiler's total per device against the chip's HBM,
 bytes accessed and FLOPs (toolkit/inference/decode_cost.py).
@@ -30,9 +30,9 @@ from toolkit import command_line
 from toolkit import workdir
 from toolkit import xla_flags
 from toolkit.errors import ConfigError
-from toolkit.pod.aot import CompileError, LintError, compile_report, parse_out_of_memory
-from toolkit.pod.report import BAD_INPUT, DOES_NOT_FIT
-from toolkit.pod.target import TargetError, target_for
+from toolkit.planning.aot import CompileError, LintError, compile_report, parse_out_of_memory
+from toolkit.planning.report import BAD_INPUT, DOES_NOT_FIT
+from toolkit.planning.target import TargetError, target_for
 
 
 def _choices(values: list[str], known, flag: str) -> list[str]:
@@ -56,7 +56,7 @@ def _counts(values: list[str], flag: str = "--plan_microbatches", least: int = 1
 def _plan(config, target, flag_values: dict, budget_s: float) -> None:
   """--plan: search, print the ranking, write the plan (and the JSON); exits non-zero when
   nothing fits."""
-  from toolkit.pod import planner  # pylint: disable=g-import-not-at-top
+  from toolkit.planning import planner  # pylint: disable=g-import-not-at-top
   from models import attention  # pylint: disable=g-import-not-at-top
   from models.stack import REMAT_POLICIES  # pylint: disable=g-import-not-at-top
   chunks = flag_values["plan_loss_chunk"]
@@ -85,7 +85,7 @@ def _plan(config, target, flag_values: dict, budget_s: float) -> None:
 def _decode(config, target, flag_values: dict) -> None:
   """--decode: the decode step's report (and JSON); exits 1 when it does not fit."""
   from toolkit.inference import decode_cost  # pylint: disable=g-import-not-at-top
-  from toolkit.pod.report import format_decode  # pylint: disable=g-import-not-at-top
+  from toolkit.planning.report import format_decode  # pylint: disable=g-import-not-at-top
   from toolkit.training import config as config_lib  # pylint: disable=g-import-not-at-top
   if flag_values["plan"] or flag_values["hlo"]:
     raise LintError("--decode reports the decode step: drop --plan and --hlo, or --decode")
@@ -185,7 +185,7 @@ def cli() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     jax.config.update("jax_platforms", "cpu")
     try:
-      from toolkit.pod.target import parse_name  # pylint: disable=g-import-not-at-top
+      from toolkit.planning.target import parse_name  # pylint: disable=g-import-not-at-top
       kind, count = parse_name(topology_flag.value)
       if kind == "cpu":
         jax.config.update("jax_num_cpu_devices", count * max(slices_flag.value, 1))

@@ -6,11 +6,11 @@ config on a token budget, ranked across TPU slices and GPU clusters.
       --deadline=14d --json=cost.json --png=cost.png
 
 For each target the planner's candidate layouts are estimated by the analytic model
-(toolkit/costing/layouts.py; nothing compiles, so a GPU cluster is estimated like a TPU slice,
+(toolkit/planning/cost/layouts.py; nothing compiles, so a GPU cluster is estimated like a TPU slice,
 and the whole ranking takes seconds): the fastest layout that fits the chip's memory by the
-estimate is priced for each --pricing mode from the price table (toolkit/costing/prices.py;
+estimate is priced for each --pricing mode from the price table (toolkit/planning/cost/prices.py;
 --prices=FILE overrides its rows). Spot prices fold in preemption (--spot_mtbf_h, the
-checkpoint interval and --restart_min; toolkit/costing/economics.py has the formula). The
+checkpoint interval and --restart_min; toolkit/planning/cost/economics.py has the formula). The
 step time is compute at the chip's peak (times --compute_efficiency) plus communication at the
 table's bandwidths without overlap (not the compiled program's memory traffic, which
 toolkit.compile adds). Confirm a TPU winner's fit with
@@ -30,7 +30,7 @@ import sys
 import time
 
 from toolkit import command_line, workdir
-from toolkit.costing import economics, prices as prices_lib
+from toolkit.planning.cost import economics, prices as prices_lib
 
 DEFAULT_TARGETS = "v5e-256,v5p-128,v6e-256,h100x64,h200x64"
 _UNITS = {"h": 1.0, "d": 24.0, "w": 168.0}
@@ -81,7 +81,7 @@ def _options(config, layout, chips, price, modes, flags_values, log) -> list:
 def run(config, flag_values: dict, log=print) -> int:
   """Estimates, prices and ranks; prints the table; returns the exit status."""
   import jax  # pylint: disable=g-import-not-at-top
-  from toolkit.costing import layouts as layouts_lib, report  # pylint: disable=g-import-not-at-top
+  from toolkit.planning.cost import layouts as layouts_lib, report  # pylint: disable=g-import-not-at-top
   modes = flag_values["pricing"]
   for mode in modes:
     if mode not in prices_lib.MODES:
@@ -185,8 +185,8 @@ def cli() -> None:
   def main(argv) -> None:
     del argv
     command_line.quiet_logging()
-    from toolkit.costing import layouts as layouts_lib  # pylint: disable=g-import-not-at-top
-    from toolkit.pod.target import TargetError  # pylint: disable=g-import-not-at-top
+    from toolkit.planning.cost import layouts as layouts_lib  # pylint: disable=g-import-not-at-top
+    from toolkit.planning.target import TargetError  # pylint: disable=g-import-not-at-top
     from toolkit.errors import ConfigError  # pylint: disable=g-import-not-at-top
     import sharding  # pylint: disable=g-import-not-at-top
     values = flags.FLAGS.flag_values_dict()

@@ -71,7 +71,7 @@ def cli() -> None:
     command_line.quiet_logging()
     config = config_flag.value
     if plan_flag.value:
-      from toolkit.pod import plan as plan_lib  # pylint: disable=g-import-not-at-top
+      from toolkit.planning import plan as plan_lib  # pylint: disable=g-import-not-at-top
       try:
         config = plan_lib.apply_plan(config, plan_flag.value,
                                      command_line.override_fields(sys.argv),

@@ -186,7 +186,7 @@ def test_auto_follows_the_active_mesh_platform():
 def test_auto_picks_splash_under_a_mesh_of_tpu_devices():
   """A mesh of a v5e-8's compile-only devices (libtpu, as toolkit.compile uses them)."""
   extras.require("libtpu")
-  from toolkit.pod import target as target_lib  # pylint: disable=g-import-not-at-top
+  from toolkit.planning import target as target_lib  # pylint: disable=g-import-not-at-top
   target_lib.prepare_libtpu_environment()
   tpus = target_lib.target_for("v5litepod-8").devices
   assert _auto_under(sharding.make_mesh([("fsdp", 8)], devices=tpus)) == ("tpu", "splash")

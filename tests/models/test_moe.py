@@ -163,7 +163,7 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 @pytest.fixture
 def emulated_exchange(monkeypatch):
   """The ragged_all_to_all variant with the emulated collective (the real one is proven by a
-  TPU compile, tests/toolkit/pod/test_compile.py)."""
+  TPU compile, tests/toolkit/planning/test_compile.py)."""
   monkeypatch.setattr(moe, "all_to_all_per_device", functools.partial(
       moe.all_to_all_per_device, exchange=emulated_ragged_all_to_all))
 

@@ -193,7 +193,7 @@ def test_splash_with_segment_ids_compiles_for_a_tpu_without_a_score_tensor():
   devices (fsdp 8): the kernel is called (Mosaic) and no (512 queries, 512 keys) array
   exists; the step's own test is tests/toolkit/training/test_packing.py's."""
   extras.require("libtpu")
-  from toolkit.pod import target as target_lib  # pylint: disable=g-import-not-at-top
+  from toolkit.planning import target as target_lib  # pylint: disable=g-import-not-at-top
   target_lib.prepare_libtpu_environment()
   mesh = sharding.make_mesh([("fsdp", 8)], devices=target_lib.target_for("v5litepod-8").devices)
   rules = sharding.Rules.preset("fsdp")

@@ -123,7 +123,7 @@ def test_b16_step_lowers_for_a_pod_sized_batch():
 def test_b16_compiles_for_a_tpu_slice():
   """ViT-B/16, global batch 1,024, fsdp over a v5p-16 slice (8 chips): the real train step
   compiled ahead of time from this CPU machine, with its memory per chip."""
-  from toolkit.pod import target as target_lib  # pylint: disable=g-import-not-at-top
+  from toolkit.planning import target as target_lib  # pylint: disable=g-import-not-at-top
   if target_lib.libtpu_missing_reason():
     extras.require("libtpu")
   target_lib.prepare_libtpu_environment()

@@ -20,7 +20,7 @@ import pytest
 
 from tests import extras
 from toolkit import accelerators
-from toolkit.pod import target
+from toolkit.planning import target
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sharding import (LOGICAL_AXES, PRESETS, Rules, ShardingError, activation_rules, constrain,
                       constrain_grad, make_mesh)
 from sharding.rules import parse_overrides
-from toolkit.pod import collectives
+from toolkit.planning import collectives
 
 BATCH = ("data", "fsdp")
 

@@ -29,7 +29,7 @@ from toolkit.conversion import output
 from toolkit.data import shards
 from toolkit.errors import ConfigError
 from toolkit.hf import folder as folder_lib
-from toolkit.pod import plan as plan_lib
+from toolkit.planning import plan as plan_lib
 from toolkit.training import config as config_lib, init_from
 
 NAME = "gqa_untied_head_dim24_llama3"

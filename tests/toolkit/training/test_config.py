@@ -182,7 +182,7 @@ def test_compile_targets_are_checked_as_their_own_platform():
   """toolkit.compile resolves on a TPU target's devices from a CPU: splash is the TPU's own
   kernel there, cudnn is refused as on any other non-GPU."""
   extras.require("libtpu")
-  from toolkit.pod import target as target_lib  # pylint: disable=g-import-not-at-top
+  from toolkit.planning import target as target_lib  # pylint: disable=g-import-not-at-top
   devices = list(target_lib.target_for("v5p-8").devices)
   config = lm.get_config("tiny")
   config.data.seq_len = 128

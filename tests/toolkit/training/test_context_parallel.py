@@ -14,7 +14,7 @@ from tests.tiny_runs import (TOLERANCE, assert_resume_is_bitwise, assert_trees_c
 from toolkit import training
 from toolkit.errors import ConfigError
 from toolkit.inference import restore
-from toolkit.pod import collectives
+from toolkit.planning import collectives
 from toolkit.training import step as step_lib
 
 

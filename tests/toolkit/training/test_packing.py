@@ -196,10 +196,10 @@ def test_eval_summary_weighs_batches_by_their_weights():
 def test_packed_splash_step_compiles_for_a_tpu_without_a_score_tensor(tmp_path):
   """The CPU LM on packed token shards at 512 tokens, compiled for a v5p-8: attention auto
   is splash with the rows' segment ids, the compiled step calls the kernel (a Mosaic custom
-  call) and holds no (512 queries, 512 keys) array (tests/toolkit/pod/test_compile.py's check
+  call) and holds no (512 queries, 512 keys) array (tests/toolkit/planning/test_compile.py's check
   for the unpacked step)."""
   extras.require("libtpu")
-  from toolkit.pod import aot, target as target_lib  # pylint: disable=g-import-not-at-top
+  from toolkit.planning import aot, target as target_lib  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   text = lambda: "".join(chr(c) for c in rng.integers(97, 123, int(rng.integers(1, 700))))
   tokenizer = shards.Tokenizer("bytes")

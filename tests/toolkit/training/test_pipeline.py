@@ -12,7 +12,7 @@ from models import pipeline
 from tests.tiny_runs import TOLERANCE, assert_resume_is_bitwise, assert_trees_close, tiny_config
 from toolkit import training
 from toolkit.errors import ConfigError
-from toolkit.pod import aot, target as target_lib
+from toolkit.planning import aot, target as target_lib
 from toolkit.training import state as state_lib, step as step_lib
 from toolkit.training.checkpoints import checkpoint
 

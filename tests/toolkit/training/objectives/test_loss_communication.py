@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 import sharding
 from models import Llama, LlamaConfig
 from tests.tiny_runs import TOLERANCE, assert_trees_close
-from toolkit.pod import collectives
+from toolkit.planning import collectives
 from toolkit.training.objectives import losses
 
 VOCAB = 320  # a dimension no other array of the tiny model has

@@ -1,4 +1,4 @@
-"""The layouts `python -m toolkit.compile --plan` tries (step 1 of `toolkit.pod.planner`):
+"""The layouts `python -m toolkit.compile --plan` tries (step 1 of `toolkit.planning.planner`):
 meshes x rules presets x remat policies x micro-batch counts x attention x loss chunking, plus
 context-parallel meshes for long sequences and a pipeline stage per slice across slices."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import ml_collections
 
-from toolkit.pod.target import Target
+from toolkit.planning.target import Target
 
 PRESETS = ("dp", "fsdp", "tp", "fsdp_tp", "fsdp_ep", "fsdp_tp_ep", "fsdp_cp", "fsdp_pp")
 # From this many positions per sequence the planner also tries context parallelism: a sequence

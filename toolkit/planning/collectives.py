@@ -13,7 +13,7 @@ and whether a group crosses slices (DCN). The text differs by backend, and all o
 
 XLA's own cost analysis counts the body of a while loop once; so would a plain count of
 instructions. Here each computation is weighted by how often it runs: a `while` body by the
-trip count read from its loop counter (start, step and bound: `toolkit.pod.hlo.loop_trips`),
+trip count read from its loop counter (start, step and bound: `toolkit.planning.hlo.loop_trips`),
 so collectives inside the scanned layers count once per layer and per micro-batch, and those
 of a windowed einsum's ring loop once per ring step pair.
 
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from toolkit.pod import hlo
+from toolkit.planning import hlo
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -56,7 +56,7 @@ _CALLS = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)")
 _CALL_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _CONSTANT = re.compile(r"=\s*[su](?:32|64)\[\]\S*\s+constant\((\d+)\)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-# The HLO text reader's parts (toolkit.pod.scheduling imports them from here too).
+# The HLO text reader's parts (toolkit.planning.scheduling imports them from here too).
 _HEADER, _INSTRUCTION, _split_type = hlo.HEADER, hlo.INSTRUCTION, hlo.split_type
 _ASYNC_ECHO_CALL = re.compile(r"\basync-(?:update|done)\(")
 
@@ -274,7 +274,7 @@ def async_echoes(computations: dict[str, _Computation]) -> set[str]:
   """Computations that repeat a collective libtpu's async collective fusion started: the
   `async-collective-done` fusion's and the continuations' (`async_collective_fusion...`) hold
   the same transfer again (its channel_id), which `parse` counts once, at its start
-  (toolkit/pod/scheduling.py reads the async forms)."""
+  (toolkit/planning/scheduling.py reads the async forms)."""
   echoes = {name for name in computations if name.startswith("async_collective_fusion")}
   for comp in computations.values():
     echoes.update(callee for line in comp.lines if _ECHO.match(line)

@@ -12,7 +12,7 @@ policy and micro-batch count to train a config with on a target, decided by comp
      those that divide the batch) x attention auto, xla x vocabulary loss chunked (the
      config's model.loss_chunk) or not (0);
   2. lint each (the config's own validation and the sharding rules, plus activation
-     dimensions vs their mesh axes) and estimate it (`toolkit.pod.estimate`); prune those whose
+     dimensions vs their mesh axes) and estimate it (`toolkit.planning.estimate`); prune those whose
      analytic memory exceeds the chip's HBM; among layouts that differ only in attention and
      loss chunking, prune those another beats on both estimated step time and memory; and per
      mesh/preset/remat/attention/chunking keep the fewest micro-batches that fit by the
@@ -23,7 +23,7 @@ policy and micro-batch count to train a config with on a target, decided by comp
      loops counted) at the chip's peak plus the compiled program's collective bytes at the
      table's ICI and DCN bandwidths, without overlap; within 1 % of the fastest, the one with
      the least memory per device wins (more headroom for what the compiler cannot see).
-The winner is written as a plan file (`toolkit.pod.plan`) that `toolkit.train` applies.
+The winner is written as a plan file (`toolkit.planning.plan`) that `toolkit.train` applies.
 """
 from __future__ import annotations
 
@@ -41,11 +41,11 @@ import ml_collections
 
 import sharding
 from toolkit.training import config as config_lib, state as state_lib
-from toolkit.pod import aot, estimate, plan as plan_lib
-from toolkit.pod.candidates import (ATTENTIONS, MICROBATCHES, PRESETS, REMATS, Candidate,
+from toolkit.planning import aot, estimate, plan as plan_lib
+from toolkit.planning.candidates import (ATTENTIONS, MICROBATCHES, PRESETS, REMATS, Candidate,
                                     enumerate_candidates)
 from toolkit.errors import ConfigError
-from toolkit.pod.target import Target
+from toolkit.planning.target import Target
 
 TIE = 0.01  # step times within 1 % of the fastest are ties: the least memory wins
 # Compiled memory came out 0.6x to 1.2x the analytic estimate (see the closing note of the
@@ -180,7 +180,7 @@ def _worker(tasks, results, target_name: str, slices: int, cpu_devices: int) -> 
   jax.config.update("jax_platforms", "cpu")
   if cpu_devices:
     jax.config.update("jax_num_cpu_devices", cpu_devices)
-  from toolkit.pod.target import target_for  # pylint: disable=g-import-not-at-top
+  from toolkit.planning.target import target_for  # pylint: disable=g-import-not-at-top
   target = target_for(target_name, slices)
   while True:
     task = tasks.get()

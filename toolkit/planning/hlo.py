@@ -2,7 +2,7 @@
 instruction's type, opcode and operands, and how many times a while loop runs, worked out
 from its loop counter.
 
-`toolkit.pod.collectives` builds the program's computations and collectives from these.
+`toolkit.planning.collectives` builds the program's computations and collectives from these.
 Two things in libtpu's text need care:
 
   * an instruction may span lines: the splash kernel's custom call prints

@@ -1,6 +1,6 @@
 """The FLOP counts behind MFU: the model formula (`LlamaConfig.flops_per_token`, causal
 attention at half its (query, key) pairs, as MaxText counts it), the analytic count of what a
-step executes (`toolkit.pod.estimate`) and the traced step's (`toolkit.pod.aot`). The step runs
+step executes (`toolkit.planning.estimate`) and the traced step's (`toolkit.planning.aot`). The step runs
 the model's matmuls, at least as many attention pairs, and remat's recomputation, so model <=
 executed everywhere and the compile report's MFU stays <= 100 %. With attention counted over
 every pair (the PaLM paper's appendix B) the 7b preset's report printed 101 %: its splash
@@ -19,7 +19,7 @@ from models.stack import REMAT_POLICIES
 from models.vit import ViTConfig
 from tests import extras
 from toolkit import training
-from toolkit.pod import aot, estimate, target as target_lib
+from toolkit.planning import aot, estimate, target as target_lib
 from toolkit.training import step as step_lib
 
 ATTENTION_KINDS = ("xla", "blockwise", "splash", "cudnn", "ring")

@@ -20,9 +20,9 @@ import collections
 import dataclasses
 import re
 
-from toolkit.pod import collectives
+from toolkit.planning import collectives
 # The HLO reader's own parts (one concern: the compiled program's collectives).
-from toolkit.pod.collectives import (  # pylint: disable=protected-access
+from toolkit.planning.collectives import (  # pylint: disable=protected-access
     _CALLS, _INSTRUCTION, _OPCODES, _Computation, _computations, _split_type)
 
 

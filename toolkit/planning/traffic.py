@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from toolkit.pod import collectives, hlo
+from toolkit.planning import collectives, hlo
 # The HLO reader's own parts (one concern: the compiled program's computations and loops).
-from toolkit.pod.collectives import (  # pylint: disable=protected-access
+from toolkit.planning.collectives import (  # pylint: disable=protected-access
     _CALL_LISTS, _CALLS, _computations, _multiplicities)
 
 _FREE = frozenset({"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while",

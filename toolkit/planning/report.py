@@ -1,4 +1,4 @@
-"""The report of one ahead-of-time compile (toolkit.pod.aot): its fields, its JSON and its
+"""The report of one ahead-of-time compile (toolkit.planning.aot): its fields, its JSON and its
 text as `python -m toolkit.compile` prints it."""
 from __future__ import annotations
 

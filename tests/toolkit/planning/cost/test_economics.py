@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from toolkit.costing import economics
+from toolkit.planning.cost import economics
 
 REL = 1e-12  # exact arithmetic: the same formulas computed by hand
 

@@ -10,9 +10,9 @@ import pytest
 
 from experiments import lm
 from tests import tiers
-from tests.toolkit.pod.test_compile import _sharded_bytes, needs_libtpu
+from tests.toolkit.planning.test_compile import _sharded_bytes, needs_libtpu
 from toolkit import training
-from toolkit.pod import aot, estimate, target as target_lib
+from toolkit.planning import aot, estimate, target as target_lib
 from toolkit.training import state as state_lib
 
 GIB = 2**30
@@ -69,7 +69,7 @@ def test_the_compiler_refuses_the_8b_full_adamw_fine_tune_on_v5e_8():
 
 @pytest.mark.slow  # ~35 s on 2 quiet cores (~5 min on busy ones): the 8b LoRA step's compile
 @pytest.mark.tpu_aot
-@tiers.full(tiers.COMPILE, by="tests/toolkit/pod/test_compile_lora.py::"
+@tiers.full(tiers.COMPILE, by="tests/toolkit/planning/test_compile_lora.py::"
                               "test_lora_step_compiles_with_optimizer_state_for_the_adapters_only")
 def test_the_8b_lora_fine_tune_compiles_and_fits_on_v5e_8():
   """The LoRA row of docs/compile.md's table: rank 16 on every projection, the base in

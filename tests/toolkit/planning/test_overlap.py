@@ -1,4 +1,4 @@
-"""Collectives scheduled to overlap compute: the HLO reader (toolkit/pod/scheduling.py, and
+"""Collectives scheduled to overlap compute: the HLO reader (toolkit/planning/scheduling.py, and
 `collectives.parse` counting each transfer once), and the TPU compile with and without the
 overlap flags of toolkit/xla_flags.py (tests/conftest.py sets them for the suite's TPU
 compiles, as toolkit.compile does for its own).
@@ -18,9 +18,9 @@ import pytest
 
 from experiments import lm, moe
 from tests import tiers
-from tests.toolkit.pod.test_compile import _compile_cli, needs_libtpu
+from tests.toolkit.planning.test_compile import _compile_cli, needs_libtpu
 from toolkit import xla_flags
-from toolkit.pod import aot, collectives, scheduling, target as target_lib
+from toolkit.planning import aot, collectives, scheduling, target as target_lib
 
 # The three async forms (classic start/done, async-start wrapping a reduce-scatter, libtpu's
 # async collective fusion with its done's and continuation's echoes of channel 3) and two
@@ -135,11 +135,11 @@ _PRESETS = {
 
 # The pipeline's is the presubmit tier's compile of its code path; the step's other presets and
 # the mixture of experts' compile in make test already (tests/tiers.py's COMPILE clause).
-_COVERED_BY = {"fsdp_ep": "tests/toolkit/pod/test_compile.py::"
+_COVERED_BY = {"fsdp_ep": "tests/toolkit/planning/test_compile.py::"
                           "test_moe_ragged_all_to_all_exchange_compiles_for_tpu",
-               "fsdp_tp_ep": "tests/toolkit/pod/test_compile.py::"
+               "fsdp_tp_ep": "tests/toolkit/planning/test_compile.py::"
                              "test_moe_ragged_all_to_all_exchange_compiles_for_tpu"}
-_STEP = "tests/toolkit/pod/test_compile.py::test_cpu_lm_compiles_and_fits_on_small_slices[v5p-8]"
+_STEP = "tests/toolkit/planning/test_compile.py::test_cpu_lm_compiles_and_fits_on_small_slices[v5p-8]"
 
 
 @pytest.mark.slow  # 4-6 s each, 36 s for the eight (55 s on busy cores)

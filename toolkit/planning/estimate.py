@@ -1,7 +1,7 @@
 """Analytic per-device estimates of a training step: memory, FLOPs, communication, step time.
 
 These are the numbers one writes on a whiteboard, next to which `toolkit.compile` puts what
-the compiler reports; the planner (`toolkit.pod.planner`) uses them to prune and order candidates
+the compiler reports; the planner (`toolkit.planning.planner`) uses them to prune and order candidates
 before compiling any. All figures are per device (one JAX device = one chip) and per step.
 
 Memory (bytes):
@@ -299,7 +299,7 @@ def attention_flops_per_token(shape: Shape) -> float:
 
 def kernel_attention_flops_per_device(shape: Shape) -> float:
   """The attention FLOPs per device that a traced program does not show, added to its count by
-  `toolkit.pod.aot`: the splash kernel's (its matmuls live inside the Pallas kernel) and
+  `toolkit.planning.aot`: the splash kernel's (its matmuls live inside the Pallas kernel) and
   causal blockwise attention's without a length split (its block loops are while loops whose
   trip count depends on the block index, which `aot.program_flops` leaves out). Under context
   parallelism blockwise masks by position in loops of fixed length, which the trace counts."""
@@ -441,7 +441,7 @@ def step_seconds(flops_per_device: float, ici_bytes: float, dcn_bytes: float,
                  peak_flops: float, ici_bandwidth: float, dcn_bandwidth: float,
                  memory_bytes: float = 0.0, memory_bandwidth: float = 0.0) -> dict[str, float]:
   """Compute at the matmul peak, plus the memory traffic outside the matmuls at the memory's
-  bandwidth (`toolkit.pod.traffic`: known only from a compiled program, else 0), plus
+  bandwidth (`toolkit.planning.traffic`: known only from a compiled program, else 0), plus
   communication, without overlap (an upper bound on a real step)."""
   compute = flops_per_device / peak_flops if peak_flops else float("nan")
   memory = memory_bytes / memory_bandwidth if memory_bandwidth else 0.0

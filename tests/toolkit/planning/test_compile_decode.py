@@ -13,7 +13,7 @@ import pytest
 import sharding
 from models import LlamaConfig
 from tests import extras
-from tests.toolkit.pod.test_compile import _compile_cli
+from tests.toolkit.planning.test_compile import _compile_cli
 from toolkit.inference import decode_cost
 from toolkit.training import state as state_lib
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from toolkit.errors import ConfigError
-from toolkit.pod import plan as plan_lib
+from toolkit.planning import plan as plan_lib
 
 PLAN = {"overrides": {"model.remat": "full"}, "config_argument": "experiments/lm.py:size=7b"}
 
@@ -34,8 +34,8 @@ def test_another_experiment_file_is_refused():
 
 
 def test_the_planner_says_why_it_skipped_candidates():
-  from toolkit.pod import planner
-  from toolkit.pod.candidates import Candidate
+  from toolkit.planning import planner
+  from toolkit.planning.candidates import Candidate
 
   def skipped(status, reason):
     return Candidate(overrides={}, status=status, reason=reason)

@@ -12,7 +12,7 @@ The step is the training run's own: `toolkit.training.build(config, devices)` on
 devices (the same `sharding.make_mesh`, rules, model, optimizer and step; a -1 in mesh.ici
 fills from the target's device count), jitted by `toolkit.training.step.jit_step` and compiled on
 abstract inputs. TPU targets need libtpu (`pip install -e '.[tpu]'`); their devices come from
-`toolkit.pod.target` (the accelerator table's `topology_desc_kwargs`).
+`toolkit.planning.target` (the accelerator table's `topology_desc_kwargs`).
 
 The report, printed and as JSON (--json):
   memory per device   compiled.memory_analysis(): arguments, outputs, temporaries, generated
@@ -22,16 +22,16 @@ The report, printed and as JSON (--json):
                       compiler itself refuses ("Ran out of memory ... hbm") its figures are
                       the verdict.
   analytic            params, optimizer, gradients, activations under the remat policy,
-                      logits, weights in use (`toolkit.pod.estimate`), and compiled / analytic
+                      logits, weights in use (`toolkit.planning.estimate`), and compiled / analytic
   FLOPs               compiled.cost_analysis() (which counts a loop body once: scanned layers,
                       micro-batches), the same with loops counted, and the model formula
   collectives         from compiled.as_text(), by kind and mesh axes, bytes per step with loop
                       trip counts applied; what crosses slices (DCN) is flagged
   async               collectives scheduled async (start/done pairs) and synchronous, by
-                      kind (`toolkit.pod.scheduling`), and the overlap flags libtpu compiled
+                      kind (`toolkit.planning.scheduling`), and the overlap flags libtpu compiled
                       with (toolkit/xla_flags.py; toolkit.compile sets them)
   memory traffic      bytes the compiled program's instructions read and write, loops
-                      counted (`toolkit.pod.traffic`): outside the matmuls, and in them
+                      counted (`toolkit.planning.traffic`): outside the matmuls, and in them
   step time           compute at the chip's peak, plus the memory traffic outside the
                       matmuls at its HBM bandwidth, plus communication at the table's ICI/DCN
                       bandwidth, less the ICI time the async collectives can hide behind that
@@ -41,7 +41,7 @@ Exit status: 0 fits (or a CPU target), 1 does not fit (or the compiler failed ot
 first line is the error), 2 bad input (flags, config, sharding
 lint: replicated parameters above the limit with replicated_action=fail, dimensions that do not
 divide their mesh axes, a batch the data axes do not divide), each as one `error:` line.
-`--plan` searches meshes, rules, remat and micro-batches instead (`toolkit.pod.planner`).
+`--plan` searches meshes, rules, remat and micro-batches instead (`toolkit.planning.planner`).
 """
 from __future__ import annotations
 
@@ -59,13 +59,13 @@ from models import pipeline as pipeline_lib
 from toolkit import workdir
 from toolkit import xla_flags
 from toolkit.errors import ConfigError
-from toolkit.pod import collectives as collectives_lib
-from toolkit.pod import estimate
-from toolkit.pod import scheduling
-from toolkit.pod import traffic as traffic_lib
-from toolkit.pod import report as report_lib
-from toolkit.pod.report import Report
-from toolkit.pod.target import Target
+from toolkit.planning import collectives as collectives_lib
+from toolkit.planning import estimate
+from toolkit.planning import scheduling
+from toolkit.planning import traffic as traffic_lib
+from toolkit.planning import report as report_lib
+from toolkit.planning.report import Report
+from toolkit.planning.target import Target
 from toolkit.training import setup as setup_lib
 from toolkit.training import step as step_lib
 
@@ -199,7 +199,7 @@ def compile_report(config: ml_collections.ConfigDict, target: Target, *,
 
 def _overlap(hlo_text: str, target: Target) -> dict:
   """Whether the compiled step overlaps its collectives with compute: async start/done pairs
-  and synchronous collectives by kind (toolkit/pod/scheduling.py), and for a TPU the flags
+  and synchronous collectives by kind (toolkit/planning/scheduling.py), and for a TPU the flags
   libtpu compiled with (LIBTPU_INIT_ARGS as it loaded: toolkit.xla_flags's preset, the
   user's own)."""
   overlap = scheduling.read(hlo_text).as_dict()
@@ -323,7 +323,7 @@ def _undercount_note(flops: dict) -> str:
           f"the traced step's {flops['traced_per_device']:.3e}, so the step time is short and "
           f"MFU too high: either the step skips work the formula counts (a MoE capacity factor "
           f"below 1 drops assignments) or the count misses some (a loop or kernel "
-          f"toolkit.pod.aot.program_flops leaves out and the estimate does not add: a bug)")
+          f"toolkit.planning.aot.program_flops leaves out and the estimate does not add: a bug)")
 
 
 def _communication(shape, summaries) -> dict:
@@ -399,7 +399,7 @@ FLOPS_NOTE = (
     "work (batch axes x tensor x sequence x pipeline stages); the splash kernel's matmuls "
     "(inside a Pallas call) and causal blockwise attention's (in while loops of unknown trip "
     "count) are left out of the program and added by the analytic count "
-    "(toolkit.pod.estimate.attention_flops_per_token). A mixture of experts' ragged dots count "
+    "(toolkit.planning.estimate.attention_flops_per_token). A mixture of experts' ragged dots count "
     "every row of their buffer: the ring of experts multiplies the tokens gathered from its "
     "expert-axis peers, of which its own experts get about 1/(expert ways). model formula: "
     "LlamaConfig.flops_per_token x tokens / devices (a token's k experts; causal attention at "

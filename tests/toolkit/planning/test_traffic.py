@@ -1,4 +1,4 @@
-"""The compiled step's memory traffic (toolkit/pod/traffic.py), against bytes worked out by hand
+"""The compiled step's memory traffic (toolkit/planning/traffic.py), against bytes worked out by hand
 from the programs' shapes: an elementwise update reads and writes its array once, a loop
 counts once per trip, a scanned layer reads its own slice of the stacked weights (not the
 stack) and writes its own row of the stacked outputs (not the buffer), matmuls are kept apart
@@ -8,8 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tests.toolkit.pod.test_overlap import _HLO
-from toolkit.pod import traffic
+from tests.toolkit.planning.test_overlap import _HLO
+from toolkit.planning import traffic
 
 N = 1 << 20                 # float32 elements: 4 MiB
 LAYERS, ROWS, WIDTH = 6, 256, 512

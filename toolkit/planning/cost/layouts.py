@@ -1,6 +1,6 @@
 """The layout toolkit.cost prices on each target: the planner's candidates (meshes x presets x
-remat x micro-batches, `toolkit.pod.candidates`) linted and estimated by the analytic model
-(`toolkit.pod.planner.prepare`), nothing compiled; the fastest by the estimate whose memory
+remat x micro-batches, `toolkit.planning.candidates`) linted and estimated by the analytic model
+(`toolkit.planning.planner.prepare`), nothing compiled; the fastest by the estimate whose memory
 fits the chip wins, ties (within the planner's 1 %) going to the least memory.
 
 The estimates run on host devices that stand in for the target's chips: a TPU slice or a GPU
@@ -20,9 +20,9 @@ import ml_collections
 
 from toolkit import accelerators
 from toolkit.errors import ConfigError
-from toolkit.pod import aot, candidates as candidates_lib, estimate, planner
-from toolkit.pod import plan as plan_lib
-from toolkit.pod.target import Target, TargetError
+from toolkit.planning import aot, candidates as candidates_lib, estimate, planner
+from toolkit.planning import plan as plan_lib
+from toolkit.planning.target import Target, TargetError
 from toolkit.training import config as config_lib
 
 # What the cost search tries: the fsdp family (every preset shards the batch; the planner's

@@ -10,7 +10,7 @@ import pytest
 
 from tests import preloaded
 from tests.toolkit.test_cli import the_error_line
-from toolkit.costing import economics
+from toolkit.planning.cost import economics
 
 TIMEOUT_S = 180  # ~5 s here
 CONFIG = "--config=experiments/lm.py:size=1b"
@@ -75,7 +75,7 @@ def test_the_ranking_table_json_and_plot(ranked):
 def test_the_plot_names_the_shape_draws_the_deadline_and_keeps_labels_apart(monkeypatch,
                                                                             tmp_path):
   from experiments import lm  # pylint: disable=g-import-not-at-top
-  from toolkit.costing import report  # pylint: disable=g-import-not-at-top
+  from toolkit.planning.cost import report  # pylint: disable=g-import-not-at-top
   from toolkit.training import metrics  # pylint: disable=g-import-not-at-top
   config = lm.get_config("size=1b")
   config.model.n_layers = 3  # a custom shape

@@ -34,10 +34,10 @@ from experiments import dpo as dpo_experiment
 from experiments import lm
 from models import LlamaConfig
 from tests import extras
-from toolkit.pod import collectives, plan as plan_lib
-from toolkit.pod import aot as compile_lib
-from toolkit.pod import report as report_lib
-from toolkit.pod import candidates, planner, target as target_lib
+from toolkit.planning import collectives, plan as plan_lib
+from toolkit.planning import aot as compile_lib
+from toolkit.planning import report as report_lib
+from toolkit.planning import candidates, planner, target as target_lib
 from toolkit import training as train
 from toolkit import xla_flags
 from toolkit.errors import ConfigError
@@ -125,7 +125,7 @@ def test_cpu_lm_compiles_and_fits_on_small_slices(topology):
   assert ("all-reduce", "tensor") in kinds     # tensor-parallel partial sums
   assert not any(c["dcn"] for c in report.collectives)
   # With the overlap flags (tests/conftest.py sets them as toolkit.compile does) the fsdp
-  # all-gathers are async start/done pairs: 12 of 17 here; tests/toolkit/pod/test_overlap.py
+  # all-gathers are async start/done pairs: 12 of 17 here; tests/toolkit/planning/test_overlap.py
   # has the control without them.
   assert report.overlap["async_pairs"].get("all-gather", 0) >= 4, report.overlap
   assert report.overlap["flags"] == xla_flags.in_effect("tpu")
@@ -560,7 +560,7 @@ def test_compile_candidates_left_over_do_not_keep_the_process_alive():
   script = textwrap.dedent("""
       import copy
       from experiments import lm
-      from toolkit.pod import planner, target
+      from toolkit.planning import planner, target
       config, cpu = lm.get_config("tiny"), target.target_for("cpu:8")
       [first] = planner.enumerate_candidates(config, cpu, presets=("fsdp_tp",), remats=("none",),
                                              microbatches=(1,))[:1]

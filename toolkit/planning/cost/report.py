@@ -6,7 +6,7 @@ import math
 import textwrap
 from collections.abc import Sequence
 
-from toolkit.costing import economics
+from toolkit.planning.cost import economics
 
 
 def _duration(hours: float) -> str:

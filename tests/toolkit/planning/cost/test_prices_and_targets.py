@@ -10,8 +10,8 @@ import jax
 import pytest
 
 from toolkit import accelerators
-from toolkit.costing import layouts, prices
-from toolkit.pod.target import TargetError, target_for
+from toolkit.planning.cost import layouts, prices
+from toolkit.planning.target import TargetError, target_for
 
 
 def test_every_shipped_row_has_a_source_a_date_and_positive_prices():

@@ -1,4 +1,4 @@
-"""How often the collective parser (toolkit.pod.collectives) counts a collective per step, on
+"""How often the collective parser (toolkit.planning.collectives) counts a collective per step, on
 small HLO texts written like libtpu's: loops that do not step by one (XLA's windowed einsum
 runs two ring steps per iteration), loops that start past zero, and an instruction whose text
 spans lines (the splash kernel's custom call), after which the rest of its computation must
@@ -12,7 +12,7 @@ import sharding
 from experiments import lm
 from models import LlamaConfig
 from tests import extras
-from toolkit.pod import aot, collectives, estimate, target as target_lib
+from toolkit.planning import aot, collectives, estimate, target as target_lib
 
 # Two slices of 4 devices; the program is one slice's (num_partitions=4). A loop over 3 chunks
 # (i = 1, 2, 3) holds a custom call whose attributes span three lines, then an all-gather, a

@@ -1,0 +1,7 @@
+"""What a job costs on each target:
+
+- `layouts`: the layout priced per target (the planner's candidates by the analytic estimate);
+- `prices`: the price table;
+- `economics`: time, dollars, preemption and the Pareto front;
+- `report`: the ranking's table and plot.
+"""
