@@ -1,4 +1,18 @@
-"""Model modules (Flax NNX) and their frozen configs. Models speak only logical axis names."""
+"""Model modules (Flax NNX) and their frozen configs. Models speak only logical axis names.
+
+- `llama`, `llama_config`: the Llama-style decoder LM and its config with named presets;
+- `vit`: the Vision Transformer classifier;
+- `moe`: the mixture-of-experts feed-forward layer (Mixtral-style);
+- `attention`, `blockwise`: attention implementations behind one call, and flash-style
+  attention in plain JAX;
+- `linear`, `params`: the matmul the layers share, and parameters with their logical axes;
+- `rope`: rotary position embeddings;
+- `stack`, `pipeline`: the layer stack (scanned or unrolled, under remat), and its stages for
+  pipeline parallelism;
+- `paged`: the paged KV cache for serving;
+- `quantization`: int8 weights for serving;
+- `lora`: LoRA adapters on the projections.
+"""
 from models.llama import Llama, LlamaConfig
 from models.vit import ViT, ViTConfig
 

@@ -14,12 +14,16 @@ The direction, lowest first (a module may import its own layer and the layers be
 
 Sizes: no module over 500 lines, no function over 80 lines (nested functions count towards
 the function they sit in), outside tests/.
+
+Docstrings: every package's `__init__` docstring lists its modules and subpackages, one bullet
+of meaning each ("- `name`: what it is"), and nothing that is not there.
 """
 from __future__ import annotations
 
 import ast
 import dataclasses
 import pathlib
+import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -172,9 +176,37 @@ def size_problems(known: dict[str, pathlib.Path]) -> list[Problem]:
   return problems
 
 
+def _listed(docstring: str) -> set[str]:
+  """The names a package docstring's bullets list: each bullet is "- `a`, `b`: what they are",
+  its names before the first colon (a subpackage as `name/`), on one line or wrapped."""
+  bullets = re.split(r"^- ", docstring, flags=re.M)[1:]
+  return {name for bullet in bullets for name in re.findall(r"`(\w+/?)`", bullet.split(":")[0])}
+
+
+def docstring_problems(known: dict[str, pathlib.Path]) -> list[Problem]:
+  """Every package's docstring lists its modules and subpackages, and nothing else (scripts/
+  is a folder of entry points, not a package of meshkit's code)."""
+  problems = []
+  for module, path in known.items():
+    if path.name != "__init__.py" or module.split(".")[0] == "scripts":
+      continue
+    folder = path.parent
+    present = {p.stem for p in folder.glob("*.py") if p.name != "__init__.py"}
+    present |= {f"{p.name}/" for p in folder.iterdir() if (p / "__init__.py").is_file()}
+    listed = _listed(ast.get_docstring(ast.parse(path.read_text())) or "")
+    where = _relative(path)
+    for name in sorted(present - listed):
+      problems.append(Problem("docstring", where, f"`{name}` is not listed in its bullets "
+                              "(\"- `name`: one line of what it is\")"))
+    for name in sorted(listed - present):
+      problems.append(Problem("docstring", where, f"`{name}` is listed but not in {folder.name}/"))
+  return problems
+
+
 def check(root: pathlib.Path = ROOT) -> list[Problem]:
   known = modules(root)
-  return direction_problems(known) + cycle_problems(known) + size_problems(known)
+  return (direction_problems(known) + cycle_problems(known) + size_problems(known)
+          + docstring_problems(known))
 
 
 def largest(known: dict[str, pathlib.Path], count: int = 5) -> tuple[list, list]:
@@ -194,7 +226,8 @@ def main() -> int:
   known = modules()
   problems = check()
   module_sizes, function_sizes = largest(known)
-  print(f"{len(known)} modules checked: imports one way, no circles, modules <= "
+  print(f"{len(known)} modules checked: imports one way, no circles, package docstrings list "
+        f"their modules, modules <= "
         f"{MAX_MODULE_LINES} lines, functions <= {MAX_FUNCTION_LINES} lines")
   print("longest modules:   " + ", ".join(f"{path} ({n})" for n, path in module_sizes))
   print("longest functions: " + ", ".join(f"{where} ({n})" for n, where in function_sizes))

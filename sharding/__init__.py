@@ -1,8 +1,16 @@
-"""Meshes, logical sharding rules and sharding reports.
+"""Meshes, logical sharding rules and sharding reports. This package knows nothing about models
+or the training loop: models speak logical axis names, rules map those names onto mesh axes,
+and the mesh maps mesh axes onto devices.
 
-This package knows nothing about models or the training loop: models speak logical axis
-names (``sharding.axes``), rules map those names onto mesh axes, and the mesh maps mesh axes
-onto devices.
+- `axes`: the canonical logical axis names, one line of meaning each;
+- `mesh`: device meshes from ordered (axis, size) pairs, inside a slice (ICI) and across slices
+  (DCN);
+- `rules`: the rules presets, mesh axes per logical axis, for parameters at rest and for
+  activations in compute;
+- `report`: the per-run table of every parameter's logical axes, PartitionSpec and bytes;
+- `per_device`: per-device code under the active rules (`jax.shard_map` by logical axes);
+- `sequence`: the load-balanced order of positions for context parallelism;
+- `errors`: the one error type for mistakes in meshes and rules.
 """
 from sharding import sequence
 from sharding.axes import LOGICAL_AXES

@@ -25,13 +25,21 @@ def test_the_script_reports_and_exits_zero():
   assert "0 problem(s)" in done.stdout and "longest functions:" in done.stdout
 
 
-def _tree(root: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
+def _tree(root: pathlib.Path, files: dict[str, str], docstrings: bool = True) -> pathlib.Path:
+  """A repository of `files`; with `docstrings`, each empty package `__init__` lists its
+  modules as the layout wants, so that only the rule a test is about finds anything."""
   for name in ("sharding", "models", "toolkit", "experiments", "scripts"):
     (root / name).mkdir(parents=True, exist_ok=True)
     (root / name / "__init__.py").touch()
   for path, text in files.items():
     (root / path).parent.mkdir(parents=True, exist_ok=True)
     (root / path).write_text(textwrap.dedent(text))
+  for init in root.rglob("__init__.py") if docstrings else ():
+    if not init.read_text():
+      names = [p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py"]
+      names += [f"{p.name}/" for p in init.parent.iterdir() if (p / "__init__.py").exists()]
+      init.write_text('"""A package.\n\n' + "".join(f"- `{n}`: a part.\n" for n in names)
+                      + '"""\n')
   return root
 
 
@@ -72,6 +80,22 @@ def test_imports_against_the_direction_and_sideways_are_found(tmp_path):
       ("direction", "toolkit/data/text.py"), ("sideways", "toolkit/planning/aot.py"),
       ("direction", "toolkit/inference/engine.py"), ("direction", "models/llama.py"),
       ("sideways", "toolkit/hf/reader.py")}
+
+
+def test_a_package_docstring_must_list_its_modules_and_nothing_else(tmp_path):
+  root = _tree(tmp_path, {
+      "toolkit/__init__.py": '"""Commands.\n\n- `train`: the command;\n- `data/`: inputs."""\n',
+      "toolkit/train.py": "",
+      "toolkit/errors.py": "",                                 # not listed
+      "toolkit/data/__init__.py": '"""Data.\n\n- `text`,\n  `gone`: batches."""\n',
+      "toolkit/data/text.py": "",                              # listed on a wrapped bullet
+      "toolkit/data/images/__init__.py": '"""Images.\n\n- `reader`: files."""\n',
+      "toolkit/data/images/reader.py": "",
+  }, docstrings=False)
+  found = sorted((p.where, p.detail.split()[0]) for p in check_layout.check(root)
+                 if p.rule == "docstring")
+  assert found == [("toolkit/__init__.py", "`errors`"), ("toolkit/data/__init__.py", "`gone`"),
+                   ("toolkit/data/__init__.py", "`images/`")]
 
 
 def test_long_modules_and_functions_are_found(tmp_path):

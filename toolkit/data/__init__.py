@@ -1,6 +1,19 @@
-"""Input data: byte-level text and synthetic tokens (`text`), pre-tokenized shards (`shards`),
-images (`images`), Grain pipelines over them (`grain_batches`), and how batches reach the
-devices (`feed`). `from_config(config, spec)` picks the batches a run reads."""
+"""Input data. `from_config(config, spec)` picks the batches a run reads.
+
+- `inputs`: which batches a config's `data.source` reads;
+- `text`: byte-level text and synthetic tokens;
+- `shards`: pre-tokenized text shards;
+- `packing`: several whole documents per row, each attending only to itself;
+- `images`: image classification data;
+- `grain_batches`: Grain pipelines over shards and images, in an order that resumes exactly;
+- `feed`: how batches reach the devices;
+- `chat`, `chat_template`: conversations for fine-tuning, and chat templates rendered as
+  transformers renders them;
+- `instruct`: synthetic instruction tasks whose answers are checked exactly;
+- `preference`: preference pairs for DPO;
+- `prompts`: prompts and answers for GRPO;
+- `keys`: the names of the batch entries the tasks read.
+"""
 from toolkit.data.feed import BatchIterator, local_rows
 from toolkit.data.inputs import from_config, token_unit
 from toolkit.data.text import Batches, decode, encode

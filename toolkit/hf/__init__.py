@@ -1,10 +1,13 @@
-"""The Hugging Face checkpoint format: config.json <-> model config and the tensor table per
-architecture (`architectures`, `llama`), reading safetensors slice by slice into given
-shardings (`folder`, `reader`), writing safetensors shards (`writer`).
+"""The Hugging Face checkpoint format. It depends only on `sharding`, `models` and
+`toolkit.errors`, not on training: `train.init_from=hf:DIR` reads weights through it, and
+`toolkit.conversion` adds the Orbax side.
 
-It depends only on `sharding`, `models` and `toolkit.errors`, not on training: training's
-`train.init_from=hf:DIR` reads weights through it, and the import/export commands
-(`toolkit.conversion`, `python -m toolkit.convert`) add the Orbax side.
+- `architectures`: the one table of architectures meshkit reads and writes;
+- `llama`, `mixtral`: config.json <-> model config, and the tensor table of each;
+- `tensors`: how one parameter is laid out in Hugging Face tensors;
+- `folder`: a model folder on disk, checked;
+- `reader`: safetensors read slice by slice into sharded parameters;
+- `writer`: a model folder written as safetensors shards.
 """
 from toolkit.hf.architectures import ARCHITECTURES, Architecture, for_hf_config, for_model
 from toolkit.hf.folder import HFFolder, special_tokens

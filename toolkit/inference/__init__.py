@@ -1,5 +1,15 @@
-"""Inference: the KV-cache engine and its continuous batcher (`engine`, `scheduler`, `pages`),
-per-request sampling (`sampling`), restoring parameters (`restore`), text in and out (`text`,
-`codec`, `requests`), offline generation (`offline`), classifier prediction (`classify`) and
-the decode step's compile for a target (`decode_cost`). The HTTP server over the engine is
-toolkit/serving/."""
+"""Inference: the engine that generates and predicts. The HTTP server over it is
+toolkit/serving/.
+
+- `engine`: the paged KV cache's compiled step and how a step's rows are laid out;
+- `scheduler`: continuous batching over the paged cache (prefix caching, chunked prefill,
+  cancellation);
+- `pages`: the cache's pages and cached prefixes, on the host;
+- `sampling`: per-request sampling settings and the batched sampler;
+- `restore`: a checkpoint's parameters restored into a config's shardings;
+- `codec`, `text`, `requests`: text in and out (byte-level or a tokenizer), continuing a
+  prompt, requests and results as JSON;
+- `offline`: offline batch generation (`python -m toolkit.generate`);
+- `classify`: classifier prediction (`python -m toolkit.predict`);
+- `decode_cost`: the decode step compiled ahead of time for a target.
+"""
