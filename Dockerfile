@@ -1,4 +1,4 @@
-# The container image for `scripts/gke_jobset.py --image=...`: Python 3.11 with meshkit and
+# The container image for `scripts/launch/gke_jobset.py --image=...`: Python 3.11 with meshkit and
 # its `tpu` extra (libtpu) installed from this checkout, WORKDIR at the checkout so that
 # `--config=experiments/lm.py:...` resolves. For GPUs build with --build-arg EXTRA=cuda.
 #

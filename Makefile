@@ -9,7 +9,7 @@ DEMO_DIR ?= runs/lm_cpu
 # distributions' default): XLA:CPU maps a step's temporaries afresh at every step, and faulting
 # them in 4 KiB at a time was about a third of a CPU run's CPU time on 2 cores. With it the CPU
 # demo's steps take 0.70x the time, its whole run 0.78x, with the same losses to the bit
-# (scripts/bench_hugepages.py). Every command below runs with it, as do their child processes;
+# (scripts/bench/bench_hugepages.py). Every command below runs with it, as do their child processes;
 # a GLIBC_TUNABLES of your own is kept, and one that sets glibc.malloc.hugetlb wins.
 ifeq ($(findstring glibc.malloc.hugetlb,$(GLIBC_TUNABLES)),)
 export GLIBC_TUNABLES := $(if $(GLIBC_TUNABLES),$(GLIBC_TUNABLES):)glibc.malloc.hugetlb=1
@@ -80,13 +80,13 @@ test-full: $(VENV)/.installed-test
 
 # The newest-deps job: Python 3.12 with the newest release of every dependency, the tests
 # marked smoke (train, resume, sharded == unsharded, Grain's batches, HF parity, a TPU compile,
-# one served request). scripts/ci_newest.sh creates its own .venv-newest; .ci/run runs it beside
+# one served request). scripts/dev/ci_newest.sh creates its own .venv-newest; .ci/run runs it beside
 # the two halves at a low priority.
 test-newest:
-	bash scripts/ci_newest.sh
+	bash scripts/dev/ci_newest.sh
 
 bench: $(VENV)/.installed
-	$(BIN)/python scripts/bench_step.py
+	$(BIN)/python scripts/bench/bench_step.py
 
 clean:
 	rm -rf runs

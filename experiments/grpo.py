@@ -17,7 +17,7 @@ with the demo's layers scanned, 43.4 % at step 190 and 66.4 % at 200 (both in a 
 simulated devices, the fine-tune on one; the commands above, with one CPU device: 80.5 % at
 240). With one CPU device, as the test runs it since 2026-12-06, an AMD EPYC (Zen 5) answered
 32.8 % at step 190 and 55.5 % at 200. Score it with
-scripts/chat_exact_match.py and stop earlier when it is above 45 %. The documented result
+scripts/dev/chat_exact_match.py and stop earlier when it is above 45 %. The documented result
 (tests/test_documented_results.py, from the last of steps 160 to 260 of its 400, every 10, whose
 held-out exact match is at most 45 %): held-out exact match, answered greedily, from <= 45 %
 before to >= 50 % after 200 steps, and at least 20 points above where it started, on each of

@@ -1,10 +1,10 @@
 """Fine-tuning a Hugging Face Llama: the model from a folder's config.json, the weights from its
 safetensors (`train.init_from=hf:DIR`, fresh optimizer), everything else from here.
 
-The folder comes after the colon. With the tiny random model of scripts/tiny_hf_model.py (its
+The folder comes after the colon. With the tiny random model of scripts/data/tiny_hf_model.py (its
 byte-level tokenizer makes CPython's docs as bytes its native tokens) on 8 simulated devices:
 
-  python scripts/tiny_hf_model.py --out=runs/hf_tiny
+  python scripts/data/tiny_hf_model.py --out=runs/hf_tiny
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
     python -m toolkit.train --config=experiments/hf.py:runs/hf_tiny --workdir=runs/hf_tuned
 
@@ -17,7 +17,7 @@ The same config loads the checkpoint for generation and export (docs/huggingface
     --checkpoint=runs/hf_tuned --tokenizer=runs/hf_tiny --prompt="The " --max_tokens=40
 
 Variants after the folder, comma separated:
-  data=NAME    stdlib_docs (default, bytes), tokens (shards written by scripts/prepare_text.py
+  data=NAME    stdlib_docs (default, bytes), tokens (shards written by scripts/data/prepare_text.py
                with --tokenizer=DIR/tokenizer.json; set --config.data.path), synthetic
   rules=NAME   sharding preset: dp, fsdp (default), tp, fsdp_tp
 """

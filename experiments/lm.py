@@ -9,7 +9,7 @@ quiet, 1.9 and 3.8 before its layers ran unrolled, 7.9 at a load average of ~13)
 Expected result: held-out loss falls from 8.1 bits per byte at step 0 to about 1.9 at step
 300 (1.92 measured), a checkpoint at step 300 in runs/lm_cpu/checkpoints, loss.png, and a
 short sample. tests/test_documented_results.py checks both numbers (slow; .ci/run runs it).
-That is seed 0, the default; `python scripts/seeds.py --config=experiments/lm.py:cpu
+That is seed 0, the default; `python scripts/launch/seeds.py --config=experiments/lm.py:cpu
 --seeds=0,1,2 --workdir=runs/lm_seeds` (with the XLA_FLAGS above) gives 1.92, 1.96 and 2.06:
 a seed also picks the held-out windows, so the seeds are scored on different text.
 
@@ -22,7 +22,7 @@ Variants after the colon, comma separated:
                chip (mesh fsdp:-1, rules fsdp) and take the chip's peak FLOP/s from
                toolkit/accelerators.py
   rules=NAME   sharding preset: dp, fsdp, tp, fsdp_tp
-  data=NAME    stdlib_docs, synthetic, or tokens (shards from scripts/prepare_text.py, read
+  data=NAME    stdlib_docs, synthetic, or tokens (shards from scripts/data/prepare_text.py, read
                through Grain: add --config.data.path=DIR --config.model.vocab_size=384)
 Single fields: --config.optimizer.learning_rate=1e-3, --config.mesh.ici=fsdp:4,tensor:2 …
 

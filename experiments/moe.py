@@ -56,7 +56,7 @@ def get_config(arg: str | None = None):
   lm.set_model(config, size)
   if size == "moe_cpu":
     # XLA:CPU runs ragged_dot as a dense matmul per expert group (E times the work), so on
-    # CPU capacity dispatch trains 3x faster than dropless at this size (scripts/bench_moe.py).
+    # CPU capacity dispatch trains 3x faster than dropless at this size (scripts/bench/bench_moe.py).
     config.model.moe_dispatch = "capacity"
   config.mesh.ici = "data:1,fsdp:-1,expert:8" if size == "8x7b" else "data:1,fsdp:-1,expert:4"
   config.sharding.preset = "fsdp_ep"

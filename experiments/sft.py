@@ -7,10 +7,10 @@ never saw when asked to:
 
   python -m toolkit.train --config=experiments/lm.py:cpu --workdir=runs/lm_cpu
   python -m toolkit.convert export --workdir=runs/lm_cpu --out=runs/lm_cpu_hf
-  python scripts/chat_exact_match.py --config=experiments/sft.py:cpu,base=runs/lm_cpu_hf
+  python scripts/dev/chat_exact_match.py --config=experiments/sft.py:cpu,base=runs/lm_cpu_hf
   python -m toolkit.train --config=experiments/sft.py:cpu,base=runs/lm_cpu_hf \\
       --workdir=runs/sft_repeat
-  python scripts/chat_exact_match.py --config=experiments/sft.py:cpu,base=runs/lm_cpu_hf \\
+  python scripts/dev/chat_exact_match.py --config=experiments/sft.py:cpu,base=runs/lm_cpu_hf \\
       --checkpoint=runs/sft_repeat
 
 Expected result: held-out exact match from <= 5 % before to >= 90 % after fine-tuning on each

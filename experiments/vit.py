@@ -11,7 +11,7 @@ runs/vit_digits/confusion.png and loss.png. Measured: 98.89%, 99.16% and 98.61%,
 +- 0.28% (mean +- standard deviation), 85 s per run on 2 CPU cores shared with other jobs, by
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-    python scripts/seeds.py --config=experiments/vit.py:cpu --seeds=0,1,2 --workdir=runs/vit_seeds
+    python scripts/launch/seeds.py --config=experiments/vit.py:cpu --seeds=0,1,2 --workdir=runs/vit_seeds
 
 tests/test_documented_results.py checks the floor and the mean (slow; .ci/run runs it).
 

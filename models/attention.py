@@ -63,7 +63,7 @@ from models import blockwise as blockwise_lib
 from models.blockwise import CONTEXT, MASK_VALUE, prescaled, varying_like
 
 # Below this many keys `auto` keeps the XLA implementation's scores, from it the blockwise loop
-# (memory linear in the length). Timed on CPU (scripts/bench_attention.py: forward + backward,
+# (memory linear in the length). Timed on CPU (scripts/bench/bench_attention.py: forward + backward,
 # causal, 8 heads of 64, medians of 7 rounds), blockwise / xla: 0.98 at 256 keys, 1.68 at 512,
 # 1.41 at 768, 0.68 at 1024, 0.41 at 2048, 0.37 at 4096: blockwise wins from 1024.
 BLOCKWISE_FROM = 1024

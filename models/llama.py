@@ -218,7 +218,7 @@ def write_cache(cache: jax.Array, layer, rows_positions: jax.Array, new: jax.Arr
   """`cache` (layers, batch, cache_length, kv_heads, head_dim) with each row's `new` (batch, 1,
   kv_heads, head_dim) written at (layer, row, rows_positions[row]): a one-hot select over this
   layer's slice, put back in place (the other layers are never copied); elementwise, so it
-  shards like the cache. Bytes accessed per decode step (scripts/decode_cost.py, v5e-8, batch
+  shards like the cache. Bytes accessed per decode step (scripts/bench/decode_cost.py, v5e-8, batch
   16, cache 4096, fsdp_tp): 125m 2.48 -> 1.86 GiB, 1b 10.87 -> 7.88, 7b 76.09 -> 66.03 against
   the per-layer slices stacked back before. A scatter of the rows (`.at[...].set`) gave 1b
   13.14 (TPU relayouts 64-wide heads), 7b 54.10: it wins only where head_dim fills 128 lanes."""

@@ -169,7 +169,7 @@ PRESETS: dict[str, LlamaConfig] = {
                         mlp_dim=64),
     # The CPU demo: ~0.9 M parameters, byte-level vocabulary. Its 4 layers run unrolled (the
     # weights stay stacked, so checkpoints are the same): XLA:CPU trained the demo 1.28x and the
-    # one-device fine-tune 1.58x faster so (scripts/bench_train.py, docs/benchmarks.md).
+    # one-device fine-tune 1.58x faster so (scripts/bench/bench_train.py, docs/benchmarks.md).
     "cpu": LlamaConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
                        mlp_dim=384, scan_layers=False),
     # Real shapes for ahead-of-time compiles. 125m: GPT-3 Small widths with a Llama MLP and

@@ -112,7 +112,7 @@ PRESETS: dict[str, ViTConfig] = {
     # scikit-learn's 8x8 handwritten digits (experiments/vit.py:cpu): ~0.17 M parameters.
     # Four 4x4 patches: 2x2 patches (16 tokens) learned 2.5x slower per step and, over seeds,
     # generalized worse (experiments/vit.py has the measurements). Its 4 layers run unrolled:
-    # scanned, XLA:CPU trained it 1.14x slower (scripts/bench_train.py, docs/benchmarks.md);
+    # scanned, XLA:CPU trained it 1.14x slower (scripts/bench/bench_train.py, docs/benchmarks.md);
     # the weights are stacked either way (models/stack.py), so checkpoints are unchanged.
     "digits": ViTConfig(patch_size=4, scan_layers=False),
     # ViT-B/16 shapes on ImageNet (224x224x3, 1000 classes) for ahead-of-time compiles. The

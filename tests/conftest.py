@@ -44,10 +44,10 @@ assert jax.device_count() == 8, "tests expect 8 simulated CPU devices"
 runtime.enable_compilation_cache(runtime.default_cache_dir())
 
 
-# --- a local Cloud Storage (scripts/gcs_emulator.py) -------------------------------------------
+# --- a local Cloud Storage (scripts/dev/gcs_emulator.py) -------------------------------------------
 import pytest  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
-from scripts import gcs_emulator  # noqa: E402  pylint: disable=wrong-import-position
+from scripts.dev import gcs_emulator  # noqa: E402  pylint: disable=wrong-import-position
 from tests import extras  # noqa: E402  pylint: disable=wrong-import-position
 
 

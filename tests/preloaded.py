@@ -41,7 +41,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 120  # the server's imports: ~3 s on a quiet machine
 # Read by Python or JAX while the server imports them: a different value needs a fresh
 # interpreter.
-# Cloud Storage clients' settings (scripts/gcs_emulator.py's environment): tests/conftest.py's
+# Cloud Storage clients' settings (scripts/dev/gcs_emulator.py's environment): tests/conftest.py's
 # gcs_server puts them in this process's environment for the rest of the session, so every
 # later command whose environment is a copy of it differs from _BASE_ENV here. Such commands get
 # a server imported in that environment (one, kept), not a new interpreter each. Every

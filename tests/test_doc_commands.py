@@ -1,6 +1,6 @@
 """Every command in README.md, docs/*.md and the module docstrings runs as pasted.
 
-scripts/doc_commands.py extracts them; each runs here in bash (a `python -m ...` or `python
+scripts/dev/doc_commands.py extracts them; each runs here in bash (a `python -m ...` or `python
 SCRIPT.py ...` command of the slow half: in a process forked from one that has imported the
 toolkit in the same environment, tests/preloaded.py, ~4 s less each; the default suite's in new
 interpreters), in a fresh folder that holds
@@ -47,11 +47,10 @@ import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import doc_commands  # noqa: E402  pylint: disable=wrong-import-position
+from scripts.dev import doc_commands
+from tests import codegen, preloaded, tiers
 
-from tests import codegen, preloaded, tiers  # noqa: E402  pylint: disable=wrong-import-position
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 COMMAND_TIMEOUT_S = 420
 SERVER_START_TIMEOUT_S = 300
@@ -67,7 +66,7 @@ SKIP = {
     r"--plan=plan\.json": "trains the 1b model from --plan's output on a pod; "
                           "tests/toolkit/test_cli.py applies a plan file",
     r"data=image_folder": "needs ImageNet in /data/imagenet",
-    r"^python scripts/bench_\w+\.py\s*(#|$)": "a full benchmark (minutes); its --quick run "
+    r"^python scripts/bench/bench_\w+\.py\s*(#|$)": "a full benchmark (minutes); its --quick run "
                                                "is here",
     r"calibrate_cpu\.py\s+#": "the full calibration (~10 min); --quick is here",
     r"drill_faults\.py\s+#": "the full drill (two 200-step pod jobs, ~3 min); --steps=60 runs "
@@ -82,7 +81,7 @@ SKIP = {
                                    "tests/scripts/test_bench_step.py",
     r"bench_moe\.py --size=cpu": "the full benchmark at the CPU sizes (~3 min); its --quick "
                                  "run: tests/scripts/test_bench_moe.py",
-    r"python scripts/bench_checkpoint\.py\s+#": "the full benchmark (the demo, then the 7b "
+    r"python scripts/bench/bench_checkpoint\.py\s+#": "the full benchmark (the demo, then the 7b "
                                                  "fingerprints, ~1.5 min); --quick is here",
     r"bench_train\.py --baseline=/tmp/base": "trains in two checkouts (minutes), the second a "
                                              "worktree the user makes first; tests/scripts runs "
@@ -107,7 +106,7 @@ SKIP = {
                           "error line, test_hf_parity.py the harness on local tasks",
 }
 # Launchers that would call gcloud / sbatch: their documented --dry-run instead.
-DRY_RUN = (r"scripts/tpu_pod\.py", r"scripts/slurm_job\.py")
+DRY_RUN = (r"scripts/launch/tpu_pod\.py", r"scripts/launch/slurm_job\.py")
 TRAIN_SHORT = ("--config.train.steps=3 --config.train.log_every=1 --config.train.eval_every=3 "
                "--config.train.checkpoint_every=3 --config.data.eval_batches=1")
 # The sample after training (the engine's programs: ~8 s of a 3-step run here) only where the
@@ -122,7 +121,7 @@ SHORTER = {
     r"(toolkit\.sweep --config=experiments/sft\.py):lora": r"\1:tiny",
     # The 7b decode step with its layers scanned: unrolled (the script's default, for a cost
     # analysis that covers every layer) its compile took ~1 min here, scanned ~10 s.
-    r"(scripts/decode_cost\.py --model=7b\b[^\n]*)": r"\1 --nounroll",
+    r"(scripts/bench/decode_cost\.py --model=7b\b[^\n]*)": r"\1 --nounroll",
 }
 # pattern -> what goes at the end of the command. The 7b and 8x7b steps for 64 TPU chips
 # compile without the overlap flags: with them libtpu took 1.5x as long (108 s against 71 s for
@@ -132,9 +131,9 @@ APPEND = {r"--topology=v5p-128": "--config.runtime.xla_flags=none"}
 SLOW = {
     r"--topology=v5p-128": "compiles the 7b step for 64 TPU chips (~2 min)",
     r"toolkit\.sweep": "trains 4-8 trials",
-    r"scripts/local_pod\.py": "two JAX processes; tests/toolkit/pod runs the pod simulator",
-    r"scripts/bench_": "benchmarks, even --quick",
-    r"scripts/seeds\.py": "three ViT runs",
+    r"scripts/launch/local_pod\.py": "two JAX processes; tests/toolkit/pod runs the pod simulator",
+    r"scripts/bench/bench_": "benchmarks, even --quick",
+    r"scripts/launch/seeds\.py": "three ViT runs",
 }
 # The full tier (tests/tiers.py): pattern -> (clause, the presubmit test that runs the command's
 # code path); the first pattern that matches wins. A TPU compile of a documented command is
@@ -166,7 +165,7 @@ FULL = {
                        "test_the_ranking_table_json_and_plot"),
     r"toolkit\.sweep": (
         tiers.COMMAND, f"{_TUNING}/test_sweep.py::test_killed_sweep_resumes_to_the_same_table"),
-    r"scripts/seeds\.py": (
+    r"scripts/launch/seeds\.py": (
         tiers.COMMAND, f"{_TUNING}/test_seeds.py::test_each_seed_is_a_run_with_that_seed"),
     r"toolkit\.serve": (
         tiers.COMMAND, f"{_SERVING}/test_openai_api.py::"
@@ -188,13 +187,13 @@ FULL = {
     r"chat_exact_match\.py": (
         tiers.COMMAND, "tests/test_documented_results.py::"
                        "test_sft_learns_to_repeat_words_on_three_seeds[seed_0]"),
-    r"scripts/bench_serve\.py": (
+    r"scripts/bench/bench_serve\.py": (
         tiers.COMMAND, f"{_SERVING}/test_openai_api.py::"
                        "test_bench_serve_quick_reports_every_column"),
-    r"scripts/bench_attention\.py": (
+    r"scripts/bench/bench_attention\.py": (
         tiers.COMMAND, "tests/scripts/test_bench_attention_and_train.py::"
                        "test_attention_benchmark_times_both_implementations"),
-    r"scripts/local_pod\.py": (
+    r"scripts/launch/local_pod\.py": (
         tiers.COMMAND, f"{_POD}/test_multiprocess.py::test_two_processes_train_like_one"),
     r"toolkit\.supervise": (
         tiers.COMMAND, f"{_POD}/test_supervisor.py::test_a_crash_and_a_hang_are_restarted_"
@@ -204,7 +203,7 @@ FULL = {
                        "checkpoints_metrics_tensorboard_and_plot"),
 }
 # Docstring commands that need no JAX: cheap, so the default suite runs them too.
-JAX_FREE = (r"scripts/(tpu_pod|gke_jobset|slurm_job|prepare_text|check_layout|doc_commands)\.py",
+JAX_FREE = (r"scripts/(launch/(tpu_pod|gke_jobset|slurm_job)|data/prepare_text|dev/(check_layout|doc_commands))\.py",
             r"toolkit\.topology")
 # pattern -> why the default suite runs it (the rest of the JAX commands are slow). Each must
 # match a documented command (test_the_docs_show_commands), so these cannot drift away.
@@ -228,7 +227,7 @@ PRODUCERS = {
     "runs/lm_cpu_lr1e-3": (r"toolkit\.train --config=experiments/lm\.py:cpu "
                            r"--workdir=runs/lm_cpu_lr1e-3"),
     "runs/vit_digits": r"toolkit\.train --config=experiments/vit\.py:cpu --workdir=runs/vit_digits",
-    "runs/hf_tiny": r"scripts/tiny_hf_model\.py --out=runs/hf_tiny",
+    "runs/hf_tiny": r"scripts/data/tiny_hf_model\.py --out=runs/hf_tiny",
     "runs/hf_import": r"toolkit\.convert import --hf=runs/hf_tiny --workdir=runs/hf_import",
     "runs/hf_export": r"toolkit\.convert export --workdir=runs/hf_import --out=runs/hf_export",
     "runs/lm_cpu_hf": r"toolkit\.convert export --workdir=runs/lm_cpu --out=runs/lm_cpu_hf",
@@ -283,7 +282,7 @@ def _runnable(text: str, workspace: pathlib.Path, port: int, kind: str = "shell"
   for pattern, extra in APPEND.items():
     if re.search(pattern, text):
       text = f"{text.rstrip()} {extra}"
-  if (kind == "shell" and re.search(r"toolkit\.train\b|scripts/(local_pod|seeds)\.py", text)
+  if (kind == "shell" and re.search(r"toolkit\.train\b|scripts/launch/(local_pod|seeds)\.py", text)
       and "--dry-run" not in text):
     text = f"{text.rstrip()} {TRAIN_SHORT} {SAMPLE[fast]}"
   text = text.replace("/tmp/", f"{workspace}/tmp/")
@@ -567,8 +566,8 @@ def test_the_docs_show_commands():
 def test_a_python_command_runs_forked_from_a_process_preloaded_in_the_shells_environment():
   assert _python_command("XLA_FLAGS=--a=1 python -m toolkit.train --b=2 \\\n  --c='d e'  # f") \
       == ({"XLA_FLAGS": "--a=1"}, {"module": "toolkit.train"}, ["--b=2", "--c=d e"])
-  assert _python_command("python scripts/seeds.py --seeds=0,1") == (
-      {}, {"script": "scripts/seeds.py"}, ["--seeds=0,1"])
+  assert _python_command("python scripts/launch/seeds.py --seeds=0,1") == (
+      {}, {"script": "scripts/launch/seeds.py"}, ["--seeds=0,1"])
   for shell in ("python -m toolkit.train | tail -1", "python a.py && python b.py",
                 "python -m toolkit.x --out=$HOME", "curl -s http://127.0.0.1:1/", "make demo"):
     assert _python_command(shell) is None, shell

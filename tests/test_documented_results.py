@@ -57,7 +57,7 @@ VIT_MEAN, VIT_MEAN_TOLERANCE = 0.9889, 0.01
 SWEEP_BEST_TRIAL, SWEEP_BEST_BITS, SWEEP_BEST_TOLERANCE = 2, 2.73, 0.1
 SWEEP_WORST_TRIAL, SWEEP_WORST_BITS, SWEEP_WORST_TOLERANCE = 1, 3.86, 0.05
 
-# The Hugging Face fine-tune (experiments/hf.py on scripts/tiny_hf_model.py's random model):
+# The Hugging Face fine-tune (experiments/hf.py on scripts/data/tiny_hf_model.py's random model):
 # held-out bits per byte at step 0 (random weights) and at step 100, and the exported model's
 # parameter count as transformers prints it.
 HF_START_BITS, HF_END_BITS, HF_TOLERANCE = 8.5, 3.4, 0.1  # the docs round to 0.1
@@ -403,7 +403,7 @@ def test_tiny_moe_learns_the_stdlib_docs_with_every_expert_in_use(tmp_path):
 def test_hf_fine_tune_bits_per_byte(tmp_path):
   """experiments/hf.py and docs/huggingface.md: the tiny random HF Llama, fine-tuned on
   CPython's docs, 8.5 -> 3.4 bits per byte; its export has 115,136 parameters."""
-  from scripts import tiny_hf_model  # pylint: disable=g-import-not-at-top
+  from scripts.data import tiny_hf_model  # pylint: disable=g-import-not-at-top
   extras.require("transformers")
   folder = tmp_path / "hf_tiny"
   model = tiny_hf_model.write(str(folder))  # the script's defaults: seed 0, byte tokenizer
@@ -431,7 +431,7 @@ def sft_base(lm_demo, tmp_path_factory) -> str:
 
 def sft_scores(arg: str, seeds: list[int], workdir: str) -> dict:
   """experiments/sft.py:`arg` fine-tuned on one device once per seed of `seeds`, in
-  `workdir`/seed_N: the held-out exact match (scripts/chat_exact_match.py) of the weights it
+  `workdir`/seed_N: the held-out exact match (scripts/dev/chat_exact_match.py) of the weights it
   starts from ("before", the same for every seed) and of each seed's trained ones. The LoRA
   result passes its own variant. The seeds train as the trials of one population program, as
   a sweep over seed trains them (each trial equals its own run: tests/toolkit/tuning/
@@ -439,7 +439,7 @@ def sft_scores(arg: str, seeds: list[int], workdir: str) -> dict:
   the three."""
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import sft  # pylint: disable=g-import-not-at-top
-  from scripts import chat_exact_match  # pylint: disable=g-import-not-at-top
+  from scripts.dev import chat_exact_match  # pylint: disable=g-import-not-at-top
   from toolkit.inference.restore import restore_params  # pylint: disable=g-import-not-at-top
   devices = jax.devices()[:1]
   config = sft.get_config(arg)
@@ -524,7 +524,7 @@ def grpo_base(demo_hf: str, workdir: str) -> str:
   in turn until one is above the bound."""
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import sft  # pylint: disable=g-import-not-at-top
-  from scripts import chat_exact_match  # pylint: disable=g-import-not-at-top
+  from scripts.dev import chat_exact_match  # pylint: disable=g-import-not-at-top
   from toolkit import conversion  # pylint: disable=g-import-not-at-top
   from toolkit.inference.restore import restore_params  # pylint: disable=g-import-not-at-top
   devices, folder, base = jax.devices()[:1], os.path.join(workdir, "sft"), None

@@ -1,6 +1,6 @@
 """The house layout holds: imports run one way (sharding <- models <- toolkit's shared helpers
 <- data <- training <- the concern subpackages <- commands <- experiments, scripts), in no
-circle, and modules and functions stay small (scripts/check_layout.py)."""
+circle, and modules and functions stay small (scripts/dev/check_layout.py)."""
 from __future__ import annotations
 
 import pathlib
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-from scripts import check_layout
+from scripts.dev import check_layout
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ def test_the_repository_keeps_its_layout():
 
 
 def test_the_script_reports_and_exits_zero():
-  done = subprocess.run([sys.executable, "scripts/check_layout.py"], cwd=REPO,
+  done = subprocess.run([sys.executable, "scripts/dev/check_layout.py"], cwd=REPO,
                         capture_output=True, text=True, timeout=120)
   assert done.returncode == 0, done.stdout + done.stderr
   assert "0 problem(s)" in done.stdout and "longest functions:" in done.stdout
@@ -96,6 +96,14 @@ def test_a_package_docstring_must_list_its_modules_and_nothing_else(tmp_path):
                  if p.rule == "docstring")
   assert found == [("toolkit/__init__.py", "`errors`"), ("toolkit/data/__init__.py", "`gone`"),
                    ("toolkit/data/__init__.py", "`images/`")]
+
+
+def test_a_script_that_edits_sys_path_is_found(tmp_path):
+  root = _tree(tmp_path, {
+      "scripts/bench/run.py": "import sys\nsys.path.insert(0, '..')\nprint(sys.argv)\n",
+      "scripts/launch/go.py": "import sys\nprint(sys.argv)\n",             # fine
+  })
+  assert _rules(check_layout.check(root)) == {("sys.path", "scripts/bench/run.py")}
 
 
 def test_long_modules_and_functions_are_found(tmp_path):

@@ -2,7 +2,7 @@
 
 One explicit table, `TPU_TYPES` (accelerator name -> frozen `TpuType`), generated from the
 per-generation constants in `GENERATIONS` by the slice-shape rules below. The launchers
-(`scripts/tpu_pod.py`, `scripts/gke_jobset.py`) validate and size their commands from it; the
+(`scripts/launch/tpu_pod.py`, `scripts/launch/gke_jobset.py`) validate and size their commands from it; the
 ahead-of-time compiler takes `TpuType.topology_desc_kwargs()` for
 `jax.experimental.topologies.get_topology_desc`. Nothing here imports JAX.
 

@@ -3,7 +3,7 @@
   python -m toolkit.convert import --hf=runs/hf_tiny --workdir=runs/hf_import
   python -m toolkit.convert export --workdir=runs/hf_import --out=runs/hf_export
 
-(`python scripts/tiny_hf_model.py --out=runs/hf_tiny` makes a tiny random model to try them.)
+(`python scripts/data/tiny_hf_model.py --out=runs/hf_tiny` makes a tiny random model to try them.)
 `import` also takes --config=experiments/lm.py:cpu (the mesh and rules to place the weights);
 `export` takes --step=N (default the latest) and --hf_source=DIR (tokenizer files from there),
 and for a run with LoRA adapters one of --merge_lora (the adapters merged into the weights: a

@@ -5,7 +5,7 @@
 
 Everything after `--` is the training command's flags (`python -m toolkit.train ...`), run as
 a local pod of --processes x --devices_per_process simulated CPU devices, as
-scripts/local_pod.py does. When the job fails (a process killed, or ended by the hang
+scripts/launch/local_pod.py does. When the job fails (a process killed, or ended by the hang
 watchdog, or failing after it trained a step) it is started again and resumes from its newest
 checkpoint, up to --max_restarts times; each restart is one `[supervise]` line (cause, step,
 then the time to recover and the steps lost), and the last line sums the job's lifetime. A

@@ -1,4 +1,4 @@
-"""Smoke tests: scripts/bench_attention.py and scripts/bench_train.py run end to end and their
+"""Smoke tests: scripts/bench/bench_attention.py and scripts/bench/bench_train.py run end to end and their
 numbers hang together (the timings themselves are measurements, not checked here)."""
 import json
 import os
@@ -20,7 +20,7 @@ def _run(args, timeout_s):
 
 
 def test_attention_benchmark_times_both_implementations(tmp_path):
-  out = _run(["scripts/bench_attention.py", "--lengths=128,256", "--rounds=1", "--repeats=1",
+  out = _run(["scripts/bench/bench_attention.py", "--lengths=128,256", "--rounds=1", "--repeats=1",
               "--heads=2", "--head_dim=16", f"--json={tmp_path / 'a.json'}"], 300)
   result = json.loads((tmp_path / "a.json").read_text())
   assert [row["length"] for row in result["rows"]] == [128, 256]
@@ -32,17 +32,17 @@ def test_attention_benchmark_times_both_implementations(tmp_path):
 
 
 def test_train_benchmark_refuses_a_folder_that_is_no_checkout(tmp_path):
-  proc = subprocess.run([sys.executable, "scripts/bench_train.py", f"--baseline={tmp_path}"],
+  proc = subprocess.run([sys.executable, "scripts/bench/bench_train.py", f"--baseline={tmp_path}"],
                         cwd=REPO, capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0 and "is not a meshkit checkout" in proc.stderr
   assert "Traceback" not in proc.stderr
 
 
 def progress_rates() -> dict:
-  """What scripts/bench_train.py reads from the lines the training loop prints (tokens,
+  """What scripts/bench/bench_train.py reads from the lines the training loop prints (tokens,
   images), and its two kinds of command line. Run in a process of its own (the script's absl
   flags would clash with another script's in the suite's)."""
-  from scripts import bench_train  # pylint: disable=g-import-not-at-top
+  from scripts.bench import bench_train  # pylint: disable=g-import-not-at-top
   from toolkit.training import metrics  # pylint: disable=g-import-not-at-top
   scalars = {"loss": 1.0, "learning_rate": 1e-3, "grad_norm": 0.5, "data_wait_fraction": 0.01}
   lines = {unit: metrics.progress_line(20, 60, scalars, 0.25, 1000, 1e9, 1e12, unit=unit)
@@ -69,7 +69,7 @@ def test_train_benchmark_reads_the_loops_progress_lines_and_builds_both_kinds_of
 
 
 def test_train_benchmark_refuses_an_experiment_that_is_not_there(tmp_path):
-  proc = subprocess.run([sys.executable, "scripts/bench_train.py", f"--baseline={REPO}",
+  proc = subprocess.run([sys.executable, "scripts/bench/bench_train.py", f"--baseline={REPO}",
                          "--config=experiments/nope.py:cpu"], cwd=REPO, capture_output=True,
                         text=True, timeout=120)
   assert proc.returncode != 0 and "--config=experiments/nope.py:cpu: no experiment file" in proc.stderr
@@ -80,7 +80,7 @@ def test_train_benchmark_refuses_an_experiment_that_is_not_there(tmp_path):
 def test_train_benchmark_against_this_checkout(tmp_path):
   """This checkout as its own baseline, an experiment as it is (the tiny ViT: images/s): both
   sides run and are compared."""
-  out = _run(["scripts/bench_train.py", f"--baseline={REPO}", "--devices=2", "--rounds=1",
+  out = _run(["scripts/bench/bench_train.py", f"--baseline={REPO}", "--devices=2", "--rounds=1",
               "--config=experiments/vit.py:tiny", "--steps=6", "--log_every=2",
               f"--json={tmp_path / 't.json'}"], 900)
   result = json.loads((tmp_path / "t.json").read_text())

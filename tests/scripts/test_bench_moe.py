@@ -1,4 +1,4 @@
-"""Smoke test: scripts/bench_moe.py --quick runs end to end and its numbers hang together."""
+"""Smoke test: scripts/bench/bench_moe.py --quick runs end to end and its numbers hang together."""
 import pytest
 
 from tests.scripts.quick_bench import run_quick

@@ -1,4 +1,4 @@
-"""scripts/bench_serve.py's long_prompt workload names why its running requests did not all
+"""scripts/bench/bench_serve.py's long_prompt workload names why its running requests did not all
 warm up (one failed, one ended first, or the deadline), and refuses a --warm_tokens its
 running requests cannot reach before it contacts a server. The benchmark against a served
 model: tests/toolkit/serving/test_openai_api.py. (bench_serve itself is not imported: its
@@ -8,9 +8,9 @@ import pathlib
 import subprocess
 import sys
 
+from scripts.bench import serve_report
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-import serve_report  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def _record(chunks: int, error: str = "") -> dict:
@@ -44,7 +44,7 @@ def test_warm_up_failure_names_the_request_that_failed_or_ended_else_the_deadlin
 
 def test_warm_tokens_beyond_the_running_outputs_is_one_error_before_any_request():
   done = subprocess.run(
-      [sys.executable, str(REPO / "scripts" / "bench_serve.py"), "--workload=long_prompt",
+      [sys.executable, str(REPO / "scripts" / "bench" / "bench_serve.py"), "--workload=long_prompt",
        "--quick", "--output_len=4", "--url=http://127.0.0.1:1"],  # nothing listens on port 1
       cwd=REPO, capture_output=True, text=True, timeout=120)
   assert done.returncode == 1 and done.stdout == "", done

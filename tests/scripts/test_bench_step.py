@@ -1,4 +1,4 @@
-"""Smoke test: scripts/bench_step.py --quick runs end to end and its numbers hang together."""
+"""Smoke test: scripts/bench/bench_step.py --quick runs end to end and its numbers hang together."""
 import pytest
 
 from tests.scripts.quick_bench import run_quick
@@ -32,7 +32,7 @@ def test_peak_fraction_is_per_device_flops_over_one_devices_peak():
   """A step of 8e12 FLOPs in 1 s on 8 devices: 1e12 FLOP/s per device. A TPU whose matmul
   measured 2e12 FLOP/s: 50 %. Eight simulated CPU devices whose shared-core matmul measured
   16e12 FLOP/s for the whole host: 2e12 each, 50 % again (not 8 x too high or too low)."""
-  from scripts import timing  # pylint: disable=g-import-not-at-top
+  from scripts.bench import timing  # pylint: disable=g-import-not-at-top
   tpus, cpus = [_Device("tpu")] * 8, [_Device("cpu")] * 8
   assert timing.peak_fraction(8e12, 1.0, 2e12, tpus) == pytest.approx(0.5)
   assert timing.peak_fraction(8e12, 1.0, 16e12, cpus) == pytest.approx(0.5)

@@ -1,15 +1,11 @@
 """The compiled decode step writes each layer's new token into the donated cache in place: the
 stacked cache is never rebuilt from per-layer slices (concatenate) or copied whole, which is
-what made the decode step's bytes accessed grow (issue 11; scripts/decode_cost.py)."""
-import pathlib
+what made the decode step's bytes accessed grow (issue 11; scripts/bench/decode_cost.py)."""
 import re
-import sys
 
 import pytest
 
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
-import decode_cost  # pylint: disable=g-import-not-at-top,wrong-import-position
+from scripts.bench import decode_cost
 
 
 @pytest.mark.parametrize("unroll", [True, False])

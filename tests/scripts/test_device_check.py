@@ -1,4 +1,4 @@
-"""scripts/device_check.py's dry path on the suite's 8 CPU devices: every row is measured for
+"""scripts/dev/device_check.py's dry path on the suite's 8 CPU devices: every row is measured for
 real at tiny shapes, cudnn says it is not on this platform, and the numbers hang together
 (the timings themselves are this machine's, not checked). In the slow half: it compiles five
 programs (16-40 s here)."""
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from scripts import device_check
+from scripts.dev import device_check
 
 pytestmark = pytest.mark.slow
 

@@ -1,12 +1,12 @@
 """The example local evaluation tasks' data (experiments/eval_tasks/*.jsonl) is
-scripts/eval_task_data.py's output, and each multiple-choice question has its right answer
+scripts/data/eval_task_data.py's output, and each multiple-choice question has its right answer
 once among four distinct choices."""
 from __future__ import annotations
 
 import json
 import pathlib
 
-from scripts import eval_task_data
+from scripts.data import eval_task_data
 
 TASKS = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "eval_tasks"
 

@@ -23,7 +23,7 @@ from toolkit import accelerators
 from toolkit.planning import target
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-SCRIPTS = REPO / "scripts"
+SCRIPTS = REPO / "scripts" / "launch"
 # Quotes of both kinds, spaces, $, backquotes, a backslash, a newline: any shell would mangle it.
 TRICKY = "--config.train.sample_prompt=it's a \"quoted\" $HOME `date` \\ two\nlines"
 ENV_VALUE = "--xla_flag=1 'single' \"double\" $PATH"
@@ -240,7 +240,7 @@ def test_unknown_accelerator_type(name, mentions):
     assert text in message
 
 
-# --- scripts/tpu_pod.py -----------------------------------------------------------------------
+# --- scripts/launch/tpu_pod.py -----------------------------------------------------------------------
 
 POD = ["--name=lm", "--zone=us-west4-a"]
 
@@ -356,7 +356,7 @@ def test_tpu_pod_setup_copies_the_working_tree(tmp_path):
       names = set(tar.getnames())
   finally:
     archive.unlink(missing_ok=True)
-  assert {"pyproject.toml", "toolkit/accelerators.py", "scripts/tpu_pod.py"} <= names
+  assert {"pyproject.toml", "toolkit/accelerators.py", "scripts/launch/tpu_pod.py"} <= names
   assert not any(n.startswith((".venv/", ".git/")) or "__pycache__" in n for n in names)
 
 
@@ -414,7 +414,7 @@ def test_tpu_pod_reminds_that_several_hosts_share_the_workdir():
   assert "note:" not in ok(proc) + proc.stderr  # a bucket is shared by every host
 
 
-# --- scripts/gke_jobset.py --------------------------------------------------------------------
+# --- scripts/launch/gke_jobset.py --------------------------------------------------------------------
 
 GKE = ["--name=lm", "--image=us-docker.pkg.dev/p/r/meshkit:1", "--config=experiments/lm.py:size=1b",
        "--workdir=/mnt/gcs/runs/lm"]
@@ -516,7 +516,7 @@ def test_jobset_mistakes_are_one_line(args, mentions):
     assert text in line
 
 
-# --- scripts/slurm_job.py ---------------------------------------------------------------------
+# --- scripts/launch/slurm_job.py ---------------------------------------------------------------------
 
 SLURM = ["--config=experiments/lm.py:size=1b", "--workdir=/shared/runs/lm"]
 

@@ -1,4 +1,4 @@
-"""scripts/prepare_text.py: text and JSONL -> shards that decode back to the documents."""
+"""scripts/data/prepare_text.py: text and JSONL -> shards that decode back to the documents."""
 import json
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from scripts import prepare_text
+from scripts.data import prepare_text
 from toolkit.data import shards
 from toolkit.errors import ConfigError
 
@@ -112,7 +112,7 @@ def test_bad_inputs(tmp_path):
 
 def test_command_line(tmp_path):
   inputs = _inputs(tmp_path)
-  run = lambda *args: subprocess.run([sys.executable, "scripts/prepare_text.py", *args], cwd=REPO,
+  run = lambda *args: subprocess.run([sys.executable, "scripts/data/prepare_text.py", *args], cwd=REPO,
                                      capture_output=True, text=True, timeout=120)
   proc = run(f"--out={tmp_path / 'out'}", "--val_fraction=0.2", *inputs)
   assert proc.returncode == 0, proc.stderr

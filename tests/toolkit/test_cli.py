@@ -398,11 +398,11 @@ def test_console_scripts_help_lists_the_commands_flags(script, flag):
 
 
 def test_the_slurm_scripts_gpu_setting_without_a_gpu_is_one_error_line(tmp_path):
-  """docs/gpu.md: scripts/slurm_job.py exports JAX_PLATFORMS=cuda,cpu, under which JAX skips a
+  """docs/gpu.md: scripts/launch/slurm_job.py exports JAX_PLATFORMS=cuda,cpu, under which JAX skips a
   missing CUDA plugin and runs on the CPU; a GPU job without the plugin is one error line before
   anything runs, its workdir never made."""
   setting = re.search(r'"export JAX_PLATFORMS=(\S+)"',
-                      (REPO / "scripts" / "slurm_job.py").read_text()).group(1)
+                      (REPO / "scripts" / "launch" / "slurm_job.py").read_text()).group(1)
   assert "cuda" in setting.split(",")
   before = snapshot(tmp_path)
   result = preloaded.run("toolkit.train", [TINY, f"--workdir={tmp_path / 'run'}"],

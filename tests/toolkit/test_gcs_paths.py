@@ -1,5 +1,5 @@
 """gs:// paths beyond the workdir, against the local Cloud Storage emulator
-(scripts/gcs_emulator.py): a Hugging Face folder in a bucket imports the same parameters as the local folder (read from
+(scripts/dev/gcs_emulator.py): a Hugging Face folder in a bucket imports the same parameters as the local folder (read from
 a local cache copy, reused on the next read); an export to a bucket (and an import into one)
 gives the same files byte for byte as the local ones; a failed upload leaves no objects; a plan
 file round-trips through a bucket; toolkit.compile writes its --json and --hlo there; token

@@ -103,7 +103,7 @@ def _preference_batches(config, spec):
 
 def token_unit(config) -> str:
   """What one token of an LM's data is: "byte" for CPython's docs and for token shards written
-  byte-level (scripts/prepare_text.py's default), else "token" (a tokenizer's shards, random
+  byte-level (scripts/data/prepare_text.py's default), else "token" (a tokenizer's shards, random
   synthetic tokens). An LM's loss / ln 2 is bits per that unit."""
   d = config.data
   if d.source == "stdlib_docs":

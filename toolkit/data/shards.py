@@ -1,4 +1,4 @@
-"""Pre-tokenized text shards: the format `scripts/prepare_text.py` writes and the training
+"""Pre-tokenized text shards: the format `scripts/data/prepare_text.py` writes and the training
 pipeline reads.
 
 A shard folder holds flat little-endian token arrays in nanoGPT's style (`train_00000.bin`,
@@ -97,18 +97,18 @@ def read_meta(directory: str, field: str = "data.path") -> dict:
     raise ConfigError(why)
   if not workdir.isdir(directory):
     raise ConfigError(f"{field}={directory!r} is not a directory; give a folder written by "
-                      f"scripts/prepare_text.py")
+                      f"scripts/data/prepare_text.py")
   if not workdir.isfile(path):
     raise ConfigError(f"{path} is missing: {field} must be a folder written by "
-                      f"scripts/prepare_text.py")
+                      f"scripts/data/prepare_text.py")
   try:
     meta = json.loads(workdir.read_text(path))
   except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
     raise ConfigError(f"{path} is not valid JSON ({e}); rewrite the shards with "
-                      f"scripts/prepare_text.py") from None
+                      f"scripts/data/prepare_text.py") from None
   if not isinstance(meta, dict) or meta.get("format") != FORMAT:
     raise ConfigError(f"{path}: format is not {FORMAT!r}; rewrite the shards with "
-                      f"scripts/prepare_text.py")
+                      f"scripts/data/prepare_text.py")
   return meta
 
 
@@ -135,13 +135,13 @@ class TokenStream:
       name = workdir.join(directory, entry["file"])
       if not (os.path.isfile(name) if listing is None else entry["file"] in listing):
         raise ConfigError(f"shard {name} is missing (listed in {META}); rewrite the shards with "
-                          f"scripts/prepare_text.py")
+                          f"scripts/data/prepare_text.py")
       expected = int(entry["tokens"]) * self.dtype.itemsize
       path = name if listing is None else self._copy(name, entry["file"], expected)
       if os.path.getsize(path) != expected:
         raise ConfigError(f"shard {name} is corrupt: {os.path.getsize(path)} bytes, {META} says "
                           f"{entry['tokens']} {self.dtype.name} tokens ({expected} bytes); "
-                          f"rewrite the shards with scripts/prepare_text.py")
+                          f"rewrite the shards with scripts/data/prepare_text.py")
       self.files.append(path)
       self.names.append(name)
       counts.append(int(entry["tokens"]))
@@ -191,7 +191,7 @@ class TokenStream:
       if piece.size and int(piece.max()) >= self.vocab_size:
         raise ConfigError(f"shard {self.names[index]} holds token id {int(piece.max())}, beyond "
                           f"its vocabulary of {self.vocab_size} ({META}); the file is corrupt: "
-                          f"rewrite the shards with scripts/prepare_text.py")
+                          f"rewrite the shards with scripts/data/prepare_text.py")
       pieces.append(piece)
       position += take
     return np.concatenate(pieces)

@@ -3,7 +3,7 @@ else the one its config trained with:
 
   data.source=chat          data.tokenizer (a Hugging Face folder)
   train.init_from=hf:DIR    DIR's tokenizer.json, when DIR has one
-  data.source=tokens        the tokenizer scripts/prepare_text.py recorded in the shards' meta.json
+  data.source=tokens        the tokenizer scripts/data/prepare_text.py recorded in the shards' meta.json
   data.source=stdlib_docs   bytes (the byte-level models of experiments/lm.py)
 
 A model trained on synthetic token ids has no text: evaluating it needs --tokenizer.

@@ -1,6 +1,6 @@
 """The generation engine's decode step compiled ahead of time for a target (a TPU topology, from
 a CPU): the served weights' bytes per device, the compiler's memory per device, and XLA's cost
-analysis. `python -m toolkit.compile --decode` and scripts/decode_cost.py report it
+analysis. `python -m toolkit.compile --decode` and scripts/bench/decode_cost.py report it
 (toolkit/planning/report.py's format_decode prints it).
 
 The step is the engine's: `toolkit.inference.engine.paged_step` with one decoding row per slot

@@ -56,7 +56,7 @@ def decode_step(graphdef: nnx.GraphDef, rules: sharding.Rules, mesh: Mesh, param
                 tokens, positions, rows, token_index):
   """One token for every slot of a contiguous cache (models/llama.py's `decode`): the
   model's decode and the sampler, under the rules. Returns (cache, next tokens (batch,),
-  logits (batch, vocab)). scripts/decode_cost.py compiles it ahead of time beside the paged
+  logits (batch, vocab)). scripts/bench/decode_cost.py compiles it ahead of time beside the paged
   step, to compare the two."""
   with sharding.activation_rules(rules, mesh):
     logits, cache = nnx.merge(graphdef, params).decode(tokens, positions, cache)
@@ -68,7 +68,7 @@ def paged_step(graphdef: nnx.GraphDef, rules: sharding.Rules, mesh: Mesh, params
                tokens, positions, pages: paged.Rows, last, rows, token_index):
   """The engine's step: every group of rows through the model against the paged cache
   (models/llama.py's `extend`), then the sampler. Returns (cache, next tokens (rows,),
-  logits (rows, vocab)). The engine jits it with the cache donated; scripts/decode_cost.py
+  logits (rows, vocab)). The engine jits it with the cache donated; scripts/bench/decode_cost.py
   compiles it ahead of time for a TPU topology."""
   with sharding.activation_rules(rules, mesh):
     logits, cache = nnx.merge(graphdef, params).extend(tokens, positions, cache, pages, last)

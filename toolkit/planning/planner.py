@@ -422,7 +422,7 @@ def finish(outcome: Outcome, path: str, argv: Sequence[str]) -> str:
   train_args = [f"--config={config_arg}", *passed, f"--plan={path}"]
   spelled = [f"--config={config_arg}", *passed, *plan_lib.flags_for(changed)]
   t = outcome.target
-  pod = ["python", "scripts/tpu_pod.py", "run", "--name=NAME", "--zone=ZONE",
+  pod = ["python", "scripts/launch/tpu_pod.py", "run", "--name=NAME", "--zone=ZONE",
          f"--accelerator-type={t.name}"] + ([f"--slices={t.slices}"] if t.slices > 1 else []) + [
          f"--config={config_arg}", "--workdir=/mnt/gcs/runs/RUN", "--",
          *passed, *plan_lib.flags_for(changed)]
@@ -431,5 +431,5 @@ def finish(outcome: Outcome, path: str, argv: Sequence[str]) -> str:
            "  the same without --plan:",
            f"  python -m toolkit.train {shlex.join(spelled)} --workdir=runs/RUN"]
   if t.is_tpu:
-    lines += ["  on the pod (scripts/tpu_pod.py):", f"  {shlex.join(pod)}"]
+    lines += ["  on the pod (scripts/launch/tpu_pod.py):", f"  {shlex.join(pod)}"]
   return "\n".join(lines)

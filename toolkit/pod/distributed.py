@@ -5,7 +5,7 @@ Every worker of a TPU pod or GPU cluster runs the same command, and the devices 
 form one global mesh. Which process this is comes from, first match wins:
 
   1. explicit arguments (--coordinator_address, --num_processes, --process_id), for launchers
-     that know them: scripts/local_pod.py, a hand-written cluster script;
+     that know them: scripts/launch/local_pod.py, a hand-written cluster script;
   2. Open MPI (OMPI_COMM_WORLD_SIZE > 1, inside `mpirun`) or SLURM (SLURM_NTASKS > 1, inside
      `srun`): JAX's own detection reads coordinator, count and rank from the environment (its
      Open MPI detection needs Open MPI < 5; with 5, give the three flags);

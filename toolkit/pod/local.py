@@ -1,5 +1,5 @@
 """A pod simulated on one machine: N processes of `python -m toolkit.train` with M CPU devices
-each, joined on 127.0.0.1 into one job of N x M devices. scripts/local_pod.py is its command
+each, joined on 127.0.0.1 into one job of N x M devices. scripts/launch/local_pod.py is its command
 line; the multi-process tests use it too.
 
 Each process runs the normal training command plus --coordinator_address, --num_processes and

@@ -42,7 +42,7 @@ def defaults() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(
       source="stdlib_docs", seq_len=128, global_batch_size=32, eval_batches=4,
       eval_fraction=0.1,
-      # Files for source=tokens (a scripts/prepare_text.py folder), npz or image_folder;
+      # Files for source=tokens (a scripts/data/prepare_text.py folder), npz or image_folder;
       # eval_path: a separate held-out set (else eval_fraction of path is held out).
       path="", eval_path="",
       # Several documents per row, each attending only within itself (toolkit/data/packing.py)
@@ -214,7 +214,7 @@ def resolve(config: ml_collections.ConfigDict,
   if (d.source in ("tokens", "npz", "image_folder", "chat", "preference", "prompts")
       and not d.get("path", "")):
     raise ConfigError(f"data.source={d.source!r} needs data.path: give --config.data.path=" + {
-        "tokens": "a folder written by scripts/prepare_text.py",
+        "tokens": "a folder written by scripts/data/prepare_text.py",
         "chat": "JSONL or Parquet files of conversations (or synthetic:reverse)",
         "preference": "JSONL or Parquet files of {prompt, chosen, rejected} pairs (or "
                       "synthetic:repeat)",

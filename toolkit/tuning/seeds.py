@@ -7,7 +7,7 @@ the config once per seed, as `toolkit.train` would, each in `workdir/seed_N` (a 
 unfinished seeds and only reads finished ones back), and reads each run's held-out metrics at its
 last step from its `metrics.jsonl`. `summarize` gives mean, sample standard deviation, min and
 max of every metric; `format_report` prints them; `plot_curves` draws every seed's eval curve.
-Behind `python scripts/seeds.py`.
+Behind `python scripts/launch/seeds.py`.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests import preloaded
 from experiments import lm, vit
-from scripts import prepare_text
+from scripts.data import prepare_text
 from toolkit.training.checkpoints import checkpoint
 from toolkit import data as data_lib, training
 from toolkit.data import shards

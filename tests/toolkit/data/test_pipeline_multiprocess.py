@@ -32,7 +32,7 @@ def test_two_processes_see_the_batches_of_one(tmp_path, token_dir, name):  # noq
   else:
     flags = ["--config=experiments/vit.py:tiny", f"--config.train.eval_every={N}", *flags]
   workdir = tmp_path / "two"
-  proc = subprocess.run([sys.executable, "scripts/local_pod.py", "--processes=2",
+  proc = subprocess.run([sys.executable, "scripts/launch/local_pod.py", "--processes=2",
                          "--devices_per_process=4", "--", *flags, f"--workdir={workdir}"],
                         cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
   assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,5 +1,5 @@
 """Shared pieces of the Hugging Face tests: tiny random HF Llama folders (built locally with
-transformers, scripts/tiny_hf_model.py), meshkit's logits for a folder's weights imported
+transformers, scripts/data/tiny_hf_model.py), meshkit's logits for a folder's weights imported
 onto 8 devices, and the reference logits from transformers itself.
 
 Tolerances, stated once: HF_PARITY for "the same model in PyTorch and in JAX" (different
@@ -22,7 +22,7 @@ from toolkit.training import state as state_lib
 
 torch = extras.require("torch")  # a skip without the test extra, a failure under CI=true
 transformers = extras.require("transformers")
-from scripts import tiny_hf_model  # noqa: E402  pylint: disable=wrong-import-position
+from scripts.data import tiny_hf_model  # noqa: E402  pylint: disable=wrong-import-position
 
 HF_PARITY = 1e-4   # max |logit difference|, float32 (issue 12)
 ROUND_TRIP = 1e-5  # max |logit difference| after export, float32 (issue 12)

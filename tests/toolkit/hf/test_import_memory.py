@@ -1,6 +1,6 @@
 """Importing a sharded checkpoint onto 8 devices needs host memory for about one tensor beyond
 the imported arrays: each device's slice is read on its own, never the whole model. Measured
-in a fresh process by scripts/bench_hf_import.py (the kernel's peak resident size, reset just
+in a fresh process by scripts/bench/bench_hf_import.py (the kernel's peak resident size, reset just
 before the import, minus what the devices hold afterwards: on a CPU that is host memory)."""
 import json
 import os
@@ -16,7 +16,7 @@ PEAK_PER_LARGEST_TENSOR = 1.5  # issue 12's bound
 
 def _measure(tmp_path, d_model: int, layers: int) -> dict:
   done = subprocess.run(
-      [sys.executable, os.path.join(REPO, "scripts", "bench_hf_import.py"),
+      [sys.executable, os.path.join(REPO, "scripts", "bench", "bench_hf_import.py"),
        f"--d_model={d_model}", f"--layers={layers}", f"--folder={tmp_path / 'checkpoint'}"],
       cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
   assert done.returncode == 0, done.stdout + done.stderr

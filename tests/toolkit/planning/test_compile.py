@@ -246,7 +246,7 @@ def test_planner_picks_a_plan_that_trains_on_8_simulated_devices(tmp_path):
   assert "fits" in planner.format_ranking(outcome)
   path = tmp_path / "plan.json"
   text = planner.finish(outcome, str(path), ["x", "--config=experiments/lm.py:cpu"])
-  assert f"--plan={path}" in text and "scripts/tpu_pod.py run" in text
+  assert f"--plan={path}" in text and "scripts/launch/tpu_pod.py run" in text
   saved = json.loads(path.read_text())
   assert saved["target"] == "v5litepod-16"
   assert saved["mesh_on_target"] == best.mesh

@@ -3,7 +3,7 @@ a run whose newest persistent checkpoint is step 3 and whose local tier holds st
 from step 4 when a host comes back empty (its shards from the copy on the other host) or with
 its copy damaged, and trains step 5 exactly as before; a host lost with its peer's copy falls
 back to step 3 with one warning. (Under toolkit.supervise, with a SIGKILL and a host back
-empty: scripts/drill_faults.py, a documented command.) Every run is a local pod started here
+empty: scripts/dev/drill_faults.py, a documented command.) Every run is a local pod started here
 (bounded, killed by PID by toolkit.pod.local)."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ COMMON = ["--config=experiments/lm.py:tiny", "--config.optimizer.schedule_steps=
 
 def _pod(workdir: pathlib.Path, local: pathlib.Path, steps: int, status: int = 0) -> str:
   result = subprocess.run(
-      [sys.executable, "scripts/local_pod.py", "--processes=2", "--devices_per_process=2", "--",
+      [sys.executable, "scripts/launch/local_pod.py", "--processes=2", "--devices_per_process=2", "--",
        *COMMON, f"--workdir={workdir}", f"--config.train.local_checkpoint_dir={local}",
        f"--config.train.steps={steps}"],
       cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -1,10 +1,10 @@
 """Several processes, one job: N local processes x M simulated CPU devices joined on 127.0.0.1
-into one global mesh (toolkit.pod; scripts/local_pod.py is its command line), checked against
+into one global mesh (toolkit.pod; scripts/launch/local_pod.py is its command line), checked against
 one process on 8 devices.
 
 Runs shared by the tests (module fixtures):
   reference  1 process x 8 devices, in this process: `train.run` of the tiny config, N steps;
-  two        scripts/local_pod.py, 2 processes x 4 devices, stopped at step K of the same
+  two        scripts/launch/local_pod.py, 2 processes x 4 devices, stopped at step K of the same
              N-step schedule, on a mesh where each process holds two separate blocks of rows;
   four       `two`'s checkpoint continued by 4 processes x 2 devices past N, then process 0
              is killed.
@@ -102,10 +102,10 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, environ):
-  """scripts/local_pod.py: 2 processes x 4 devices, K steps of the N-step schedule."""
+  """scripts/launch/local_pod.py: 2 processes x 4 devices, K steps of the N-step schedule."""
   workdir = tmp_path_factory.mktemp("two") / "w"
   result = subprocess.run(
-      [sys.executable, "scripts/local_pod.py", "--processes=2", "--devices_per_process=4", "--",
+      [sys.executable, "scripts/launch/local_pod.py", "--processes=2", "--devices_per_process=4", "--",
        *COMMON, f"--workdir={workdir}", f"--config.train.steps={K}",
        f"--config.mesh.ici={SPLIT_ROWS_MESH}", "--config.train.sample_tokens=8"],
       cwd=REPO, env=environ, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
@@ -277,12 +277,12 @@ def test_a_process_that_never_starts_is_reported(environ, tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_every_process_after_the_same_step(environ, tmp_path):
-  """SIGINT to scripts/local_pod.py: every process stops after one agreed step, saves it and
+  """SIGINT to scripts/launch/local_pod.py: every process stops after one agreed step, saves it and
   exits 0; the checkpoint restores."""
   workdir, log, errors = tmp_path / "w", tmp_path / "stdout", tmp_path / "stderr"
   with open(log, "w") as stdout, open(errors, "w") as stderr:
     launcher = subprocess.Popen(
-        [sys.executable, "scripts/local_pod.py", "--processes=2", "--devices_per_process=4",
+        [sys.executable, "scripts/launch/local_pod.py", "--processes=2", "--devices_per_process=4",
          "--", *COMMON, f"--workdir={workdir}", "--config.train.steps=100000",
          "--config.train.checkpoint_every=1000"],
         cwd=REPO, env=environ, stdout=stdout, stderr=stderr, text=True)

@@ -1,6 +1,6 @@
 """toolkit.supervise (toolkit/pod/supervisor.py): a job killed mid-run and then hung is
 restarted twice and finishes with the losses of an uninterrupted run, each step once in
-metrics.jsonl (the fault drill's jobs, scripts/drill_faults.py); a mistake is not retried."""
+metrics.jsonl (the fault drill's jobs, scripts/dev/drill_faults.py); a mistake is not retried."""
 from __future__ import annotations
 
 import io
@@ -63,12 +63,12 @@ def test_each_attempt_is_told_what_the_attempts_before_it_cost():
 
 @pytest.mark.slow  # the fault drill's two jobs at 60 steps: ~75 s quiet, ~120 s under load
 def test_a_crash_and_a_hang_are_restarted_and_the_losses_equal_an_uninterrupted_run(tmp_path):
-  """scripts/drill_faults.py --steps=60 (its documented command): a 2 x 4 job supervised
+  """scripts/dev/drill_faults.py --steps=60 (its documented command): a 2 x 4 job supervised
   without faults, and the same job with process 1 SIGKILLed past step 18 (its local folder
   deleted) and SIGSTOPped past step 42. The drill itself exits 1 unless the failures came as a
   crash and a hang, the crash's restart restored the local step saved before it from the
   peer's copy, and the losses equal the clean job's; this test reads what it kept."""
-  done = preloaded.run(script="scripts/drill_faults.py",
+  done = preloaded.run(script="scripts/dev/drill_faults.py",
                        args=["--steps=60", "--timeout_s=280", f"--keep={tmp_path}"],
                        env=_shell_env(), timeout=DRILL_TIMEOUT_S)
   output = (tmp_path / "faulted.log").read_text()
@@ -116,7 +116,7 @@ def _shell_env() -> dict[str, str]:
 def test_the_drill_refuses_a_folder_that_is_not_empty(tmp_path):
   (tmp_path / "kept").mkdir()
   (tmp_path / "kept" / "notes.txt").write_text("mine")
-  done = preloaded.run(script="scripts/drill_faults.py", args=[f"--keep={tmp_path / 'kept'}"],
+  done = preloaded.run(script="scripts/dev/drill_faults.py", args=[f"--keep={tmp_path / 'kept'}"],
                        env=_shell_env(), timeout=60)
   assert done.returncode == 2
   assert done.stderr.strip().splitlines()[-1] == \
@@ -125,7 +125,7 @@ def test_the_drill_refuses_a_folder_that_is_not_empty(tmp_path):
 
 
 def test_the_drill_refuses_a_peer_timeout_within_the_hang_timeout(tmp_path):
-  done = preloaded.run(script="scripts/drill_faults.py",
+  done = preloaded.run(script="scripts/dev/drill_faults.py",
                        args=["--peer_timeout_s=6", f"--keep={tmp_path / 'kept'}"],
                        env=_shell_env(), timeout=60)
   assert done.returncode == 2

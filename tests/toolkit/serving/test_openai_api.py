@@ -2,7 +2,7 @@
 against a server on 127.0.0.1: the text equals the server's own /generate for the same seed,
 streamed pieces join to the whole answer, usage counts the tokens, n and stop strings work,
 bad requests get OpenAI's error object, a client that disconnects frees its slot within two
-steps, /metrics has the latency histograms, and scripts/bench_serve.py reports every column.
+steps, /metrics has the latency histograms, and scripts/bench/bench_serve.py reports every column.
 """
 import asyncio
 import json
@@ -418,7 +418,7 @@ def test_bench_serve_quick_reports_every_column(server, tmp_path):
   for workload in ("random", "shared_prefix", "long_prompt"):
     report = tmp_path / f"{workload}.json"
     done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_serve.py"), f"--url={server.url}",
+        [sys.executable, str(REPO / "scripts" / "bench" / "bench_serve.py"), f"--url={server.url}",
          "--quick", f"--workload={workload}", f"--json={report}",
          *([f"--plot={plot}"] if workload == "random" else [])],
         cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)

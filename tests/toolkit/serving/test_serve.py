@@ -1,4 +1,4 @@
-"""The HTTP server under load: 200 requests from 16 concurrent clients (scripts/load_test.py),
+"""The HTTP server under load: 200 requests from 16 concurrent clients (scripts/bench/load_test.py),
 none lost or mixed up, while bad requests get a 4xx and the server keeps serving; a fuzz run
 of malformed requests to /generate and the OpenAI routes (test_openai_api.py has the rest of
 the OpenAI routes' tests)."""
@@ -78,7 +78,7 @@ BAD_REQUESTS = [
 def test_load_with_bad_requests_in_between(server, tmp_path):
   responses = tmp_path / "responses.jsonl"
   load = subprocess.Popen(
-      [sys.executable, str(REPO / "scripts" / "load_test.py"), f"--url={server.url}",
+      [sys.executable, str(REPO / "scripts" / "bench" / "load_test.py"), f"--url={server.url}",
        "--clients=16", "--requests=200", "--max_tokens=6", "--temperature=0",
        f"--responses={responses}", f"--json={tmp_path / 'summary.json'}"],
       cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

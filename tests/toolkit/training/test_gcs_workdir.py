@@ -1,4 +1,4 @@
-"""gs:// workdirs against a local Cloud Storage emulator (scripts/gcs_emulator.py): a killed run
+"""gs:// workdirs against a local Cloud Storage emulator (scripts/dev/gcs_emulator.py): a killed run
 resumes bitwise, every output lands in the bucket, half-written steps are skipped, inference
 and sweeps read and write there, and every unusable URL is one line within 30 s."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from scripts import gcs_emulator
+from scripts.dev import gcs_emulator
 from tests.tiny_runs import TOLERANCE, assert_trees_close, tiny_config
 from toolkit import training
 from toolkit import workdir as workdir_lib
@@ -235,7 +235,7 @@ def test_a_two_process_pod_writes_one_bucket_workdir_that_restores_on_one(gcs_se
   url = f"gs://{gcs_bucket}/pod"
   steps = ["--config.train.steps=20", "--config.optimizer.schedule_steps=20"]
   pod = subprocess.run(
-      [sys.executable, "scripts/local_pod.py", "--processes=2", "--devices_per_process=4", "--",
+      [sys.executable, "scripts/launch/local_pod.py", "--processes=2", "--devices_per_process=4", "--",
        *COMMON, *steps, f"--workdir={url}"],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
   assert pod.returncode == 0, pod.stdout[-3000:] + pod.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""scripts/seeds.py and toolkit.tuning.seeds: one experiment over several seeds, each seed an
+"""scripts/launch/seeds.py and toolkit.tuning.seeds: one experiment over several seeds, each seed an
 ordinary run with that seed, mean +- standard deviation, a rerun that trains nothing."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ TIMEOUT_S = 600  # two 6-step tiny runs take ~40 s on 2 shared cores
 
 
 def _script(*args: str) -> subprocess.CompletedProcess:
-  return preloaded.run(script="scripts/seeds.py", args=args, env=_env(), timeout=TIMEOUT_S)
+  return preloaded.run(script="scripts/launch/seeds.py", args=args, env=_env(), timeout=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
