@@ -431,7 +431,7 @@ def sft_base(lm_demo, tmp_path_factory) -> str:
 
 def sft_scores(arg: str, seeds: list[int], workdir: str) -> dict:
   """experiments/sft.py:`arg` fine-tuned on one device once per seed of `seeds`, in
-  `workdir`/seed_N: the held-out exact match (scripts/dev/chat_exact_match.py) of the weights it
+  `workdir`/seed_N: the held-out exact match (toolkit/evaluation/exact_match.py) of the weights it
   starts from ("before", the same for every seed) and of each seed's trained ones. The LoRA
   result passes its own variant. The seeds train as the trials of one population program, as
   a sweep over seed trains them (each trial equals its own run: tests/toolkit/tuning/
@@ -439,11 +439,11 @@ def sft_scores(arg: str, seeds: list[int], workdir: str) -> dict:
   the three."""
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import sft  # pylint: disable=g-import-not-at-top
-  from scripts.dev import chat_exact_match  # pylint: disable=g-import-not-at-top
+  from toolkit.evaluation import exact_match  # pylint: disable=g-import-not-at-top
   from toolkit.inference.restore import restore_params  # pylint: disable=g-import-not-at-top
   devices = jax.devices()[:1]
   config = sft.get_config(arg)
-  before = chat_exact_match.score(config, *chat_exact_match.initial_params(config, devices))
+  before = exact_match.score(config, *exact_match.initial_params(config, devices))
   print(f"before: {before.format()}", flush=True)
   configs = [sft.get_config(arg) for _ in seeds]
   for trial, seed in zip(configs, seeds):
@@ -453,7 +453,7 @@ def sft_scores(arg: str, seeds: list[int], workdir: str) -> dict:
   after = {}
   for seed, folder in zip(seeds, folders):
     params, model_cfg, *_ = restore_params(config, folder, devices)
-    score = chat_exact_match.score(config, jax.device_get(params), model_cfg)
+    score = exact_match.score(config, jax.device_get(params), model_cfg)
     print(f"seed {seed} after: {score.format()}", flush=True)
     after[seed] = {"accuracy": score.accuracy, "total": score.total}
   return {"before": {"accuracy": before.accuracy, "total": before.total}, "after": after}
@@ -524,7 +524,7 @@ def grpo_base(demo_hf: str, workdir: str) -> str:
   in turn until one is above the bound."""
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import sft  # pylint: disable=g-import-not-at-top
-  from scripts.dev import chat_exact_match  # pylint: disable=g-import-not-at-top
+  from toolkit.evaluation import exact_match  # pylint: disable=g-import-not-at-top
   from toolkit import conversion  # pylint: disable=g-import-not-at-top
   from toolkit.inference.restore import restore_params  # pylint: disable=g-import-not-at-top
   devices, folder, base = jax.devices()[:1], os.path.join(workdir, "sft"), None
@@ -536,7 +536,7 @@ def grpo_base(demo_hf: str, workdir: str) -> str:
   training.run(config, folder, devices)
   for stop in GRPO_SFT_STOPS:
     params, model_cfg, *_ = restore_params(config, folder, devices, step=stop)
-    score = chat_exact_match.score(config, jax.device_get(params), model_cfg)
+    score = exact_match.score(config, jax.device_get(params), model_cfg)
     print(f"fine-tune at step {stop}: {score.format(show=0)}", flush=True)
     if score.accuracy > GRPO_BEFORE_MAX and base is not None:
       break

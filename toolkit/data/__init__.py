@@ -3,6 +3,7 @@
 - `inputs`: which batches a config's `data.source` reads;
 - `text`: byte-level text and synthetic tokens;
 - `shards`: pre-tokenized text shards;
+- `preparation`: text files and JSONL into shards with a train and a val split;
 - `packing`: several whole documents per row, each attending only to itself;
 - `images`: image classification data;
 - `grain_batches`: Grain pipelines over shards and images, in an order that resumes exactly;

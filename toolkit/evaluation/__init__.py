@@ -7,6 +7,7 @@
 - `scoring`: log-likelihoods of many sequences in few forward passes;
 - `harness`: task loading and results;
 - `tokens`: the tokenizer a checkpoint trained with;
+- `exact_match`: a chat model's held-out exact match, answered greedily;
 - `offline`: a checkpoint's evaluation (`python -m toolkit.evaluate`);
 - `periodic`: tasks every N training steps (`train.eval_tasks`).
 """

@@ -13,10 +13,9 @@ import pytest
 
 from tests import preloaded
 from experiments import lm, vit
-from scripts.data import prepare_text
 from toolkit.training.checkpoints import checkpoint
 from toolkit import data as data_lib, training
-from toolkit.data import shards
+from toolkit.data import preparation, shards
 from toolkit.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -34,7 +33,7 @@ def token_dir(tmp_path_factory) -> str:
     path.write_text(topics.topics[key])
     inputs.append(str(path))
   out = str(folder / "shards")
-  prepare_text.prepare(inputs, out, shards.Tokenizer("bytes"), val_fraction=0.2,
+  preparation.prepare(inputs, out, shards.Tokenizer("bytes"), val_fraction=0.2,
                        shard_tokens=40_000, log=lambda _: None)
   return out
 
@@ -247,7 +246,7 @@ def test_missing_meta_and_empty_split(tmp_path):
   assert "meta.json is missing" in _build_error(lm_config(str(tmp_path)))
   (tmp_path / "doc.txt").write_text("only one document. " * 100)
   out = str(tmp_path / "out")
-  prepare_text.prepare([str(tmp_path / "doc.txt")], out, shards.Tokenizer("bytes"), 0.0, 1000,
+  preparation.prepare([str(tmp_path / "doc.txt")], out, shards.Tokenizer("bytes"), 0.0, 1000,
                        log=lambda _: None)
   assert "lists no 'val' tokens" in _build_error(lm_config(out))
 

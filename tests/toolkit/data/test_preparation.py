@@ -1,4 +1,5 @@
-"""scripts/data/prepare_text.py: text and JSONL -> shards that decode back to the documents."""
+"""toolkit/data/preparation.py and scripts/data/prepare_text.py: text and JSONL -> shards that
+decode back to the documents."""
 import json
 import os
 import subprocess
@@ -7,11 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from scripts.data import prepare_text
-from toolkit.data import shards
+from toolkit.data import preparation, shards
 from toolkit.errors import ConfigError
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TOKENIZER = os.path.join(REPO, "tests", "fixtures", "tokenizer.json")
 DOCUMENTS = ["Hello wörld — ünïcode 😀\n\ttabs and\r\nCRLF", "a", "def f(x):\n    return x\n",
              "Ω" * 300, "the last one."]
@@ -42,7 +42,7 @@ def _documents(directory: str, tokenizer: shards.Tokenizer) -> list[str]:
 def test_round_trip(tmp_path, tokenizer_path):
   tokenizer = shards.Tokenizer(tokenizer_path)
   out = str(tmp_path / "out")
-  meta = prepare_text.prepare(_inputs(tmp_path), out, tokenizer, val_fraction=0.3,
+  meta = preparation.prepare(_inputs(tmp_path), out, tokenizer, val_fraction=0.3,
                               shard_tokens=64, log=lambda _: None)
   assert len(meta["splits"]["train"]) > 2  # small shards: documents span files
   assert meta["dtype"] == "uint16"
@@ -64,7 +64,7 @@ def test_one_file_gives_both_splits_with_the_fraction_of_its_tokens(tmp_path):
   its end-of-document token) and train the rest."""
   text = "It was the best of times, it was the worst of times. " * 400  # 21,200 bytes
   (tmp_path / "book.txt").write_text(text)
-  meta = prepare_text.prepare([str(tmp_path / "book.txt")], str(tmp_path / "out"),
+  meta = preparation.prepare([str(tmp_path / "book.txt")], str(tmp_path / "out"),
                               shards.Tokenizer(), val_fraction=0.05, shard_tokens=10**6,
                               log=lambda _: None)
   counts = {split: sum(e["tokens"] for e in entries) for split, entries in meta["splits"].items()}
@@ -75,34 +75,34 @@ def test_bad_inputs(tmp_path):
   tokenizer = shards.Tokenizer()
   (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"txt": "no text"}\n')
   with pytest.raises(ConfigError, match=r"bad.jsonl line 2 has no string field 'text'"):
-    prepare_text.prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "o"), tokenizer, 0.1, 100)
+    preparation.prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "o"), tokenizer, 0.1, 100)
   (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
   with pytest.raises(ConfigError, match=r"latin1.txt is not UTF-8"):
-    prepare_text.prepare([str(tmp_path / "latin1.txt")], str(tmp_path / "o"), tokenizer, 0.1, 100)
+    preparation.prepare([str(tmp_path / "latin1.txt")], str(tmp_path / "o"), tokenizer, 0.1, 100)
   # Each of these once ended in a traceback or wrote a dataset of one end-of-document token.
   (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
   with pytest.raises(ConfigError, match=r"latin1.jsonl line 2 is not UTF-8 \(invalid "
                                         r"continuation byte at byte 13\); save the file"):
-    prepare_text.prepare([str(tmp_path / "latin1.jsonl")], str(tmp_path / "o"), tokenizer, 0.1,
+    preparation.prepare([str(tmp_path / "latin1.jsonl")], str(tmp_path / "o"), tokenizer, 0.1,
                          100)
   (tmp_path / "surrogate.jsonl").write_text('{"text": "ok"}\n{"text": "a\\ud800b"}\n')
   with pytest.raises(ConfigError, match=r"surrogate.jsonl line 2: field 'text' is not valid "
                                         r"UTF-8 text \(lone surrogate U\+D800 at character 1"):
-    prepare_text.prepare([str(tmp_path / "surrogate.jsonl")], str(tmp_path / "o"), tokenizer,
+    preparation.prepare([str(tmp_path / "surrogate.jsonl")], str(tmp_path / "o"), tokenizer,
                          0.1, 100)
   (tmp_path / "empty.txt").write_text("")
   (tmp_path / "blank.jsonl").write_text("\n\n")
   for empty in ("empty.txt", "blank.jsonl"):
     with pytest.raises(ConfigError, match=r"hold no text.*give files with text in them"):
-      prepare_text.prepare([str(tmp_path / empty)], str(tmp_path / "o"), tokenizer, 0.1, 100)
+      preparation.prepare([str(tmp_path / empty)], str(tmp_path / "o"), tokenizer, 0.1, 100)
   assert not (tmp_path / "o").exists()  # nothing written for refused inputs
   (tmp_path / "texts").mkdir()  # once "does not exist"
   with pytest.raises(ConfigError, match=r"input .*texts is a folder; give the text or \.jsonl "
                                         r"files in it, e\.g\. .*texts/\*\.txt"):
-    prepare_text.prepare([str(tmp_path / "texts")], str(tmp_path / "o"), tokenizer, 0.1, 100)
+    preparation.prepare([str(tmp_path / "texts")], str(tmp_path / "o"), tokenizer, 0.1, 100)
   (tmp_path / "a_file").write_text("x")
   with pytest.raises(ConfigError, match=r"--out='.*a_file' is a file; give a folder"):
-    prepare_text.prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "a_file"), tokenizer, 0.1,
+    preparation.prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "a_file"), tokenizer, 0.1,
                          100)
   with pytest.raises(ConfigError, match=r"is not a valid tokenizer.json"):
     shards.Tokenizer(str(tmp_path / "latin1.txt"))
@@ -135,7 +135,7 @@ def test_one_document_at_the_largest_val_fraction_still_trains(tmp_path):
   empty)."""
   text = "the only document"  # 17 characters: 9 train, 8 held out (round(8.5) = 8)
   (tmp_path / "one.txt").write_text(text)
-  meta = prepare_text.prepare([str(tmp_path / "one.txt")], str(tmp_path / "o"),
+  meta = preparation.prepare([str(tmp_path / "one.txt")], str(tmp_path / "o"),
                               shards.Tokenizer(), 0.5, 100, log=lambda _: None)
   assert sum(e["tokens"] for e in meta["splits"]["train"]) == 9 + 1  # + end-of-document
   assert sum(e["tokens"] for e in meta["splits"]["val"]) == 8 + 1
