@@ -11,7 +11,9 @@
   pipeline parallelism;
 - `paged`: the paged KV cache for serving;
 - `quantization`: int8 weights for serving;
-- `lora`: LoRA adapters on the projections.
+- `lora`: LoRA adapters on the projections;
+- `embedding_bag`: embedding tables looked up by bags of ids and pooled, placed row-wise,
+  column-wise or replicated.
 """
 from models.llama import Llama, LlamaConfig
 from models.vit import ViT, ViTConfig

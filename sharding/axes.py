@@ -18,4 +18,6 @@ LOGICAL_AXES: dict[str, str] = {
     "patch": "flattened image-patch features",
     "trial": "the trials of a population sweep, trained together in one program",
     "lora_rank": "the rank of a LoRA adapter's low-rank update (small: replicated everywhere)",
+    "table_rows": "the rows of a recommendation model's embedding table (row-wise placement)",
+    "table_embed": "the width of an embedding table's rows (column-wise placement)",
 }

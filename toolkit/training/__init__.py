@@ -12,6 +12,7 @@
 - `objectives/`: what a model is trained to minimize (tasks, losses, DPO, GRPO);
 - `checkpoints/`: saving, fingerprints, the resume order, storage faults, the local tier;
 - `init_from`: starting from existing weights with a fresh optimizer;
+- `rowwise_adagrad`: row-wise Adagrad for embedding tables, touching only the rows looked up;
 - `dpo_reference`: DPO's reference log-probabilities computed once;
 - `loop`, `startup`: the loop (`run(config, workdir)`) and what a run does before its first
   step;
