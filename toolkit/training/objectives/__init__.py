@@ -5,7 +5,8 @@
 - `losses`: the next-token loss, in one pass or in chunks of the vocabulary;
 - `dpo`: direct preference optimization's objective and its variants;
 - `grpo`: group relative policy optimization's objective on fixed rollouts;
-- `checks`: the validation pass's checks of the DPO and GRPO config sections.
+- `checks`: the validation pass's checks of the DPO and GRPO config sections;
+- `click_metrics`: AUC and log loss of click predictions over a whole evaluation set.
 
 What runs around the step for post-training (rollouts, GRPO's batches) is toolkit/post_training/.
 """
