@@ -13,6 +13,7 @@
 - `instruct`: synthetic instruction tasks whose answers are checked exactly;
 - `preference`: preference pairs for DPO;
 - `prompts`: prompts and answers for GRPO;
+- `criteo`: click logs in the Criteo format, read, and generated with a planted click model;
 - `keys`: the names of the batch entries the tasks read.
 """
 from toolkit.data.feed import BatchIterator, local_rows
