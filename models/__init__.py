@@ -13,7 +13,8 @@
 - `quantization`: int8 weights for serving;
 - `lora`: LoRA adapters on the projections;
 - `embedding_bag`: embedding tables looked up by bags of ids and pooled, placed row-wise,
-  column-wise or replicated.
+  column-wise or replicated;
+- `dlrm`: DLRM with a DCN-v2 cross network, for click prediction.
 """
 from models.llama import Llama, LlamaConfig
 from models.vit import ViT, ViTConfig

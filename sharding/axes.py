@@ -20,4 +20,5 @@ LOGICAL_AXES: dict[str, str] = {
     "lora_rank": "the rank of a LoRA adapter's low-rank update (small: replicated everywhere)",
     "table_rows": "the rows of a recommendation model's embedding table (row-wise placement)",
     "table_embed": "the width of an embedding table's rows (column-wise placement)",
+    "features": "the widths of a recommendation model's dense layers (small: replicated)",
 }
