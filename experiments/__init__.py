@@ -7,5 +7,6 @@ some `get_sweep(arg)`; the docstring holds the launch command and the expected r
 - `hf`: fine-tuning a Hugging Face Llama from its folder;
 - `sft`: supervised fine-tuning on conversations;
 - `dpo`: preference tuning with DPO;
-- `grpo`: reinforcement learning with GRPO on a verifiable task.
+- `grpo`: reinforcement learning with GRPO on a verifiable task;
+- `dlrm`: click prediction with DLRM-DCNv2 (Criteo-format logs, MovieLens-100k).
 """

@@ -16,11 +16,12 @@
   column-wise or replicated;
 - `dlrm`: DLRM with a DCN-v2 cross network, for click prediction.
 """
+from models.dlrm import DLRM, DLRMConfig
 from models.llama import Llama, LlamaConfig
 from models.vit import ViT, ViTConfig
 
 # config.model.kind -> (config dataclass, module): the one place a model family is named.
-KINDS = {"llama": (LlamaConfig, Llama), "vit": (ViTConfig, ViT)}
+KINDS = {"llama": (LlamaConfig, Llama), "vit": (ViTConfig, ViT), "dlrm": (DLRMConfig, DLRM)}
 
 
 def kind_of(model_config) -> str:
@@ -33,4 +34,5 @@ def build_model(model_config, rngs):
   return KINDS[kind_of(model_config)][1](model_config, rngs=rngs)
 
 
-__all__ = ["KINDS", "Llama", "LlamaConfig", "ViT", "ViTConfig", "build_model", "kind_of"]
+__all__ = ["DLRM", "DLRMConfig", "KINDS", "Llama", "LlamaConfig", "ViT", "ViTConfig",
+           "build_model", "kind_of"]

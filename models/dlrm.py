@@ -43,7 +43,12 @@ class DLRMConfig:
   cross_rank: int = 0                  # 0: full W_l; r > 0: U_l V_l^T of rank r
   top_mlp: tuple[int, ...] = (64, 32)  # widths before the one logit
   pooling: str = "sum"
+  hash_ids: bool = True                # False: ids are already rows (< each table's rows)
   param_dtype: str = "float32"
+
+  def __post_init__(self):  # a config section's lists, as the tuples the frozen dataclass wants
+    for name in ("table_rows", "bottom_mlp", "top_mlp"):
+      object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
 
   @classmethod
   def preset(cls, name: str, **overrides) -> DLRMConfig:
@@ -55,65 +60,82 @@ class DLRMConfig:
   def interaction_width(self) -> int:
     return self.embed_dim * (len(self.table_rows) + 1)
 
-  def check(self) -> None:
+  def validate(self, field: str = "model") -> None:
+    """Raises ValueError naming the field and the fix."""
     if not self.table_rows or min(self.table_rows) < 1:
-      raise ValueError(f"DLRM table_rows={self.table_rows}: give each table at least one row")
+      raise ValueError(f"{field}.table_rows={self.table_rows}: give each table at least one row")
     if not self.bottom_mlp or self.bottom_mlp[-1] != self.embed_dim:
-      raise ValueError(f"DLRM bottom_mlp={self.bottom_mlp} must end at embed_dim="
+      raise ValueError(f"{field}.bottom_mlp={self.bottom_mlp} must end at {field}.embed_dim="
                        f"{self.embed_dim}: its output sits beside the tables' rows")
     if self.pooling not in embedding_bag.POOLINGS:
-      raise ValueError(f"DLRM pooling={self.pooling!r}; choose one of "
+      raise ValueError(f"{field}.pooling={self.pooling!r}; choose one of "
                        f"{', '.join(embedding_bag.POOLINGS)}")
+    if self.cross_layers < 0 or self.cross_rank < 0:
+      raise ValueError(f"{field}.cross_layers and cross_rank must be >= 0")
+
+  def flops_per_example(self) -> float:
+    """Training FLOPs per example (forward + backward): 6 x the dense layers' weights; the
+    lookups are memory traffic, not FLOPs."""
+    bottom = sum(a * b for a, b in zip((self.dense_features, *self.bottom_mlp),
+                                       self.bottom_mlp))
+    width = self.interaction_width
+    cross = self.cross_layers * (2 * width * self.cross_rank if self.cross_rank
+                                 else width * width)
+    top = sum(a * b for a, b in zip((width, *self.top_mlp), (*self.top_mlp, 1)))
+    return 6.0 * (bottom + cross + top)
 
 
 def _dense(rngs, fan_in: int, fan_out: int, dtype: str):
   """A ReLU layer's weight (He initialization) and zero bias."""
   weight = params.normal(rngs, (fan_in, fan_out), ("features", "features"),
-                         (2.0 / fan_in) ** 0.5, dtype)
+                         (2.0 / max(fan_in, 1)) ** 0.5, dtype)
   bias = nnx.Param(jnp.zeros((fan_out,), dtype), out_sharding=("features",),
                    eager_sharding=False)
   return weight, bias
 
 
 class MLP(nnx.Module):
-  """Dense layers with ReLU between them (and none after the last)."""
+  """Dense layers with ReLU between them (and none after the last): `w0`, `b0`, `w1`, ..."""
 
   def __init__(self, widths: tuple[int, ...], dtype: str, rngs: nnx.Rngs):
-    pairs = [_dense(rngs, a, b, dtype) for a, b in zip(widths[:-1], widths[1:])]
-    self.weights = nnx.List([w for w, _ in pairs])
-    self.biases = nnx.List([b for _, b in pairs])
+    self.count = len(widths) - 1
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+      weight, bias = _dense(rngs, a, b, dtype)
+      setattr(self, f"w{i}", weight)
+      setattr(self, f"b{i}", bias)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    for i, (w, b) in enumerate(zip(self.weights, self.biases)):
-      x = x @ w[...] + b[...]
-      if i < len(self.weights) - 1:
+    for i in range(self.count):
+      x = x @ getattr(self, f"w{i}")[...] + getattr(self, f"b{i}")[...]
+      if i < self.count - 1:
         x = jax.nn.relu(x)
     return x
 
 
 class CrossNetwork(nnx.Module):
-  """DCN-v2's cross layers on x_0 (batch, width)."""
+  """DCN-v2's cross layers on x_0 (batch, width): layer l's `w{l}` (or `u{l}` `v{l}`), `b{l}`."""
 
   def __init__(self, width: int, layers: int, rank: int, dtype: str, rngs: nnx.Rngs):
+    self.layers, self.rank = layers, rank
     std = (1.0 / width) ** 0.5
-    if rank:
-      self.u = nnx.List([params.normal(rngs, (width, rank), ("features", None), std, dtype)
-                         for _ in range(layers)])
-      self.v = nnx.List([params.normal(rngs, (rank, width), (None, "features"),
-                                       (1.0 / rank) ** 0.5, dtype) for _ in range(layers)])
-    else:
-      self.w = nnx.List([params.normal(rngs, (width, width), ("features", None), std, dtype)
-                         for _ in range(layers)])
-    self.b = nnx.List([nnx.Param(jnp.zeros((width,), dtype), out_sharding=("features",),
-                                 eager_sharding=False) for _ in range(layers)])
-    self.rank = rank
+    for l in range(layers):
+      if rank:
+        setattr(self, f"u{l}", params.normal(rngs, (width, rank), ("features", None), std,
+                                             dtype))
+        setattr(self, f"v{l}", params.normal(rngs, (rank, width), (None, "features"),
+                                             (1.0 / rank) ** 0.5, dtype))
+      else:
+        setattr(self, f"w{l}", params.normal(rngs, (width, width), ("features", None), std,
+                                             dtype))
+      setattr(self, f"b{l}", nnx.Param(jnp.zeros((width,), dtype), out_sharding=("features",),
+                                       eager_sharding=False))
 
   def __call__(self, x0: jax.Array) -> jax.Array:
     x = x0
-    for layer, bias in enumerate(self.b):
-      mixed = (x @ self.u[layer][...] @ self.v[layer][...] if self.rank
-               else x @ self.w[layer][...])
-      x = x0 * (mixed + bias[...]) + x
+    for l in range(self.layers):
+      mixed = (x @ getattr(self, f"u{l}")[...] @ getattr(self, f"v{l}")[...] if self.rank
+               else x @ getattr(self, f"w{l}")[...])
+      x = x0 * (mixed + getattr(self, f"b{l}")[...]) + x
     return x
 
 
@@ -121,11 +143,11 @@ class DLRM(nnx.Module):
   """(dense (batch, F), ids (batch, T, bag), lengths (batch, T)) -> click logits (batch,)."""
 
   def __init__(self, cfg: DLRMConfig, *, rngs: nnx.Rngs):
-    cfg.check()
+    cfg.validate()
     self.cfg = cfg
-    self.tables = nnx.List([
-        params.normal(rngs, (rows, cfg.embed_dim), embedding_bag.TABLE, rows**-0.5,
-                      cfg.param_dtype) for rows in cfg.table_rows])
+    for t, rows in enumerate(cfg.table_rows):  # `table0`, `table1`, ...: one per feature
+      setattr(self, f"table{t}", params.normal(rngs, (rows, cfg.embed_dim), embedding_bag.TABLE,
+                                               rows**-0.5, cfg.param_dtype))
     self.bottom = MLP((cfg.dense_features, *cfg.bottom_mlp), cfg.param_dtype, rngs)
     self.cross = CrossNetwork(cfg.interaction_width, cfg.cross_layers, cfg.cross_rank,
                               cfg.param_dtype, rngs)
@@ -133,8 +155,10 @@ class DLRM(nnx.Module):
 
   def __call__(self, dense: jax.Array, ids: jax.Array, lengths: jax.Array) -> jax.Array:
     cfg = self.cfg
-    pooled = [embedding_bag.lookup(
-        table[...], embedding_bag.hash_ids(ids[:, t], rows), lengths[:, t], pooling=cfg.pooling,
-        name=str(t)) for t, (table, rows) in enumerate(zip(self.tables, cfg.table_rows))]
+    rows_of = (lambda t, rows: embedding_bag.hash_ids(ids[:, t], rows)) if cfg.hash_ids else (
+        lambda t, rows: ids[:, t])
+    pooled = [embedding_bag.lookup(getattr(self, f"table{t}")[...], rows_of(t, rows),
+                                   lengths[:, t], pooling=cfg.pooling, name=f"table{t}")
+              for t, rows in enumerate(cfg.table_rows)]
     x0 = jnp.concatenate([jax.nn.relu(self.bottom(dense.astype(jnp.float32))), *pooled], axis=1)
     return self.top(self.cross(x0))[:, 0].astype(jnp.float32)

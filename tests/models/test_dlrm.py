@@ -41,9 +41,9 @@ def _numpy_dlrm(cfg: DLRMConfig, p, dense, ids, lengths) -> np.ndarray:
   relu = lambda x: np.maximum(x, 0)
 
   def mlp(x, layers, last_relu):
-    count = len(layers["weights"])
+    count = len(layers) // 2
     for i in range(count):
-      x = x @ layers["weights"][i] + layers["biases"][i]
+      x = x @ layers[f"w{i}"] + layers[f"b{i}"]
       if i < count - 1 or last_relu:
         x = relu(x)
     return x
@@ -52,14 +52,14 @@ def _numpy_dlrm(cfg: DLRMConfig, p, dense, ids, lengths) -> np.ndarray:
   for t, rows in enumerate(cfg.table_rows):
     hashed = [[(int(i) % 2**32) * 2654435761 % 2**32 % rows for i in bag] for bag in ids[:, t]]
     pooled.append(np.stack([
-        sum((p["tables"][t][hashed[b][k]] for k in range(lengths[b, t])), np.zeros(cfg.embed_dim))
+        sum((p[f"table{t}"][hashed[b][k]] for k in range(lengths[b, t])), np.zeros(cfg.embed_dim))
         for b in range(BATCH)]))
   x0 = np.concatenate([mlp(dense.astype(np.float64), p["bottom"], True), *pooled], axis=1)
   x = x0
   for layer in range(cfg.cross_layers):
-    w = (p["cross"]["u"][layer] @ p["cross"]["v"][layer] if cfg.cross_rank
-         else p["cross"]["w"][layer])
-    x = x0 * (x @ w + p["cross"]["b"][layer]) + x
+    c = p["cross"]
+    w = c[f"u{layer}"] @ c[f"v{layer}"] if cfg.cross_rank else c[f"w{layer}"]
+    x = x0 * (x @ w + c[f"b{layer}"]) + x
   return mlp(x, p["top"], False)[:, 0]
 
 
@@ -97,7 +97,7 @@ def test_row_wise_tables_on_8_devices_train_as_on_one():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(bottom_mlp=(16, 4)), "must end at embed_dim=8"),
+    (dict(bottom_mlp=(16, 4)), "must end at model.embed_dim=8"),
     (dict(table_rows=(5, 0)), "at least one row"),
     (dict(pooling="max"), "pooling='max'"),
 ])

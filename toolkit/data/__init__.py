@@ -15,6 +15,7 @@
 - `prompts`: prompts and answers for GRPO;
 - `criteo`: click logs in the Criteo format, read, and generated with a planted click model;
 - `movielens`: MovieLens-100k's ratings as click examples with their features, split by time;
+- `clicks`: click examples of either as Grain data sources, held out by time;
 - `keys`: the names of the batch entries the tasks read.
 """
 from toolkit.data.feed import BatchIterator, local_rows

@@ -39,6 +39,8 @@ def from_config(config, spec) -> text.Batches | GrainBatches | DocumentBatches:
       GrainBatches, ImagesToModel, TokensToModel, order_seed)
   common = dict(seed=config.seed, global_batch_size=d.global_batch_size, mesh=mesh, rules=rules,
                 worker_count=d.worker_count, prefetch=d.prefetch)
+  if spec.task == "click":
+    return _click_batches(config, spec, GrainBatches, common)
   if spec.task == "lm":
     train_stream = shards.TokenStream(d.path, "train")
     if train_stream.vocab_size > spec.model.vocab_size:
@@ -72,6 +74,32 @@ def from_config(config, spec) -> text.Batches | GrainBatches | DocumentBatches:
                "labels": ((), np.int32), "weights": ((), np.float32)}
   return GrainBatches(train, held_out, train_ops, [normalize, ImagesToModel()], row_specs,
                       eval_batches=None, pad_eval=True, **common)
+
+
+def _click_batches(config, spec, grain_batches, common: dict):
+  """Click examples (toolkit/data/clicks.py) through Grain, the held-out set whole and padded,
+  checked against the model's tables and dense width."""
+  from toolkit.data import clicks  # pylint: disable=g-import-not-at-top
+  examples = clicks.load(config.data)
+  m = spec.model
+  if examples.ids.shape[1] != len(m.table_rows) or examples.dense.shape[1] != m.dense_features:
+    raise ConfigError(
+        f"data.source={config.data.source!r} has {examples.ids.shape[1]} categorical and "
+        f"{examples.dense.shape[1]} dense features; the model has {len(m.table_rows)} tables "
+        f"(model.table_rows) and model.dense_features={m.dense_features}: make them equal")
+  if not m.hash_ids:
+    largest = examples.ids.max(axis=(0, 2))
+    for table, (top, rows) in enumerate(zip(largest, m.table_rows)):
+      if top >= rows:
+        raise ConfigError(f"data.source={config.data.source!r}: feature {table} has ids up to "
+                          f"{top}, but model.table_rows[{table}]={rows}; give it at least "
+                          f"{top + 1} rows or set model.hash_ids=True")
+  train, held_out = clicks.split(examples, config.data.eval_fraction)
+  row_specs = {"dense": (train.dense.shape[1:], np.float32), "ids": (train.ids.shape[1:], np.int32),
+               "lengths": (train.lengths.shape[1:], np.int32), "labels": ((), np.float32),
+               "weights": ((), np.float32)}
+  return grain_batches(train, held_out, [clicks.ClicksToModel()], [clicks.ClicksToModel()],
+                       row_specs, eval_batches=None, pad_eval=True, **common)
 
 
 def _chat_batches(config, spec) -> DocumentBatches:

@@ -169,8 +169,9 @@ class RunSpec:
 # task -> data.source values it accepts.
 _SOURCES = {"lm": ("stdlib_docs", "synthetic", "tokens", "chat", "preference", "prompts"),
             "dpo": ("preference",), "grpo": ("prompts",),
-            "classification": ("digits", "npz", "image_folder", "synthetic")}
-_TASK_OF_KIND = {"llama": "lm", "vit": "classification"}
+            "classification": ("digits", "npz", "image_folder", "synthetic"),
+            "click": ("criteo", "movielens")}
+_TASK_OF_KIND = {"llama": "lm", "vit": "classification", "dlrm": "click"}
 # An LM's data.source values that make it another task (toolkit/training/objectives/checks.py).
 _POST_TRAINING = {"preference": "dpo", "prompts": "grpo"}
 # The tasks whose model is the language model: its checkpoints generate, serve and evaluate.
@@ -210,15 +211,7 @@ def resolve(config: ml_collections.ConfigDict,
   if d.source not in _SOURCES[task]:
     raise ConfigError(f"data.source={d.source!r} does not fit model.kind={kind!r} "
                       f"({task}); choose one of {', '.join(_SOURCES[task])}")
-  # Configs saved before data.path existed (older checkpoints) lack it.
-  if (d.source in ("tokens", "npz", "image_folder", "chat", "preference", "prompts")
-      and not d.get("path", "")):
-    raise ConfigError(f"data.source={d.source!r} needs data.path: give --config.data.path=" + {
-        "tokens": "a folder written by scripts/data/prepare_text.py",
-        "chat": "JSONL or Parquet files of conversations (or synthetic:reverse)",
-        "preference": "JSONL or Parquet files of {prompt, chosen, rejected} pairs (or "
-                      "synthetic:repeat)",
-        "prompts": "JSONL or Parquet files of {prompt, answer} records (or synthetic:add)"}.get(d.source, "the " + d.source.replace("_", " ")))
+  _check_path(d)
   if d.source in ("chat", "preference", "prompts"):
     from toolkit.data import chat  # pylint: disable=g-import-not-at-top  # imports Grain
     chat.check_config(d)
@@ -264,6 +257,24 @@ def resolve(config: ml_collections.ConfigDict,
   parse_profile_steps(t.get("profile_steps", ""), t.steps)  # a bad window: ConfigError
   _check_label_smoothing(t.get("label_smoothing", 0.0), task, kind)  # absent: saved before it
   return RunSpec(model=model, mesh=mesh, rules=rules, batch_ways=batch_ways, task=task)
+
+
+# data.source -> what its data.path holds, for the message when it is missing.
+_PATHS = {"tokens": "a folder written by scripts/data/prepare_text.py",
+          "npz": "the npz", "image_folder": "the image folder",
+          "chat": "JSONL or Parquet files of conversations (or synthetic:reverse)",
+          "preference": "JSONL or Parquet files of {prompt, chosen, rejected} pairs (or "
+                        "synthetic:repeat)",
+          "prompts": "JSONL or Parquet files of {prompt, answer} records (or synthetic:add)",
+          "criteo": "a Criteo-format file (or synthetic:N)",
+          "movielens": "a cache folder for MovieLens-100k (fetched once)"}
+
+
+def _check_path(data: ml_collections.ConfigDict) -> None:
+  """The sources that read files have data.path (configs saved before it existed lack it)."""
+  if data.source in _PATHS and not data.get("path", ""):
+    raise ConfigError(f"data.source={data.source!r} needs data.path: give "
+                      f"--config.data.path={_PATHS[data.source]}")
 
 
 def _mesh(section: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None) -> Mesh:

@@ -33,7 +33,7 @@ class Units:
   def of(cls, task_unit: str, token: str | None = None) -> Units:
     """`task_unit`: what the task counts ("tok" or "img", Task.unit); `token`: what one of an
     LM's tokens is ("byte" or "token", toolkit.data.inputs.token_unit), None for a classifier."""
-    per = {"tok": "token", "img": "image"}.get(task_unit, task_unit)
+    per = {"tok": "token", "img": "image", "ex": "example"}.get(task_unit, task_unit)
     return cls(f"nats per {per}", f"bits per {token}" if token else None)
 
 
@@ -66,7 +66,7 @@ def progress_line(step: int, total: int, metrics: dict[str, float], step_seconds
 
 def eval_line(step: int, scalars: dict[str, float], units: Units) -> str:
   """The console's line for one eval: the loss in `units`, then for an LM the same loss in
-  bits, for a classifier its accuracy."""
+  bits, for a classifier its accuracy, for click prediction its AUC."""
   if "reward" in scalars:  # GRPO: the held-out prompts answered greedily
     return (f"eval at step {step}: mean reward {scalars['reward']:.3f}, solved "
             f"{scalars['solved']:.2%} ({int(scalars['prompts'])} held-out prompts, greedy)")
@@ -79,6 +79,9 @@ def eval_line(step: int, scalars: dict[str, float], units: Units) -> str:
   if "accuracy" in scalars:
     return (f"eval at step {step}: loss {loss:.4f} {units.loss}, accuracy "
             f"{scalars['accuracy']:.2%} ({int(scalars['examples'])} held-out examples)")
+  if "auc" in scalars:  # click prediction: log loss and ROC AUC over the held-out set
+    return (f"eval at step {step}: log loss {loss:.4f} {units.loss}, AUC {scalars['auc']:.4f} "
+            f"({int(scalars['examples'])} held-out examples)")
   return (f"eval at step {step}: loss {loss:.4f} {units.loss} "
           f"({loss / math.log(2):.3f} {units.bits})")
 
@@ -318,7 +321,8 @@ _TASK_CURVES = (("train", "reward", "train mean reward (GRPO)", "-"),
                 ("eval", "solved", "held-out solved share (GRPO)", "s-"),
                 ("train", "preference_accuracy", "train preference accuracy (DPO)", "-"),
                 ("eval", "preference_accuracy", "held-out preference accuracy (DPO)", "o-"),
-                ("eval", "choice_accuracy", "held-out: policy prefers chosen (DPO)", "s-"))
+                ("eval", "choice_accuracy", "held-out: policy prefers chosen (DPO)", "s-"),
+                ("eval", "auc", "held-out ROC AUC (click prediction)", "o-"))
 
 
 def _task_curves(records: list[dict]) -> list[tuple[str, list, str]]:

@@ -41,6 +41,7 @@ from flax import nnx
 from models import lora
 from toolkit.data import keys
 from toolkit.training.objectives import dpo, grpo
+from toolkit.training.objectives.click_metrics import ClickMetrics
 from toolkit.training.step import cross_entropy_loss, lm_loss
 
 Batch = dict[str, jax.Array]
@@ -129,6 +130,40 @@ def classification_summary(results: Sequence[dict]) -> dict:
 
 CLASSIFICATION = Task(name="classification", unit="img", loss=classification_loss,
                       evaluate=classification_eval, summarize=classification_summary)
+
+# --- click prediction (recommendation models) --------------------------------------------------
+
+def _click_logits(graphdef: nnx.GraphDef, params, batch: Batch) -> jax.Array:
+  return nnx.merge(graphdef, params)(batch["dense"], batch["ids"], batch["lengths"])
+
+
+def click_loss(graphdef: nnx.GraphDef, params, batch: Batch) -> tuple[jax.Array, dict]:
+  """Binary cross-entropy of the click logits, over the real (weight 1) rows."""
+  logits = _click_logits(graphdef, params, batch)
+  losses = optax.sigmoid_binary_cross_entropy(logits, batch["labels"])
+  weights = batch["weights"]
+  return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0), {}
+
+
+def click_eval(graphdef: nnx.GraphDef, params, batch: Batch) -> dict:
+  """The batch's loss sum and its rows' logits and labels, for the AUC over the whole set."""
+  logits = _click_logits(graphdef, params, batch)
+  losses = optax.sigmoid_binary_cross_entropy(logits, batch["labels"])
+  return {"loss_sum": jnp.sum(losses * batch["weights"]), "count": jnp.sum(batch["weights"]),
+          "logits": logits, "labels": batch["labels"], "weights": batch["weights"]}
+
+
+def click_summary(results: Sequence[dict]) -> dict:
+  """Log loss and ROC AUC over every real held-out row (click_metrics.ClickMetrics)."""
+  metrics = ClickMetrics()
+  for r in results:
+    real = np.asarray(r["weights"]) > 0
+    metrics.add(np.asarray(r["labels"])[real], np.asarray(r["logits"])[real])
+  return {"loss": metrics.log_loss(), "auc": metrics.auc(), "examples": float(metrics.count)}
+
+
+CLICK = Task(name="click", unit="ex", loss=click_loss, evaluate=click_eval,
+             summarize=click_summary)
 
 # --- preference tuning (DPO) ------------------------------------------------------------------
 
@@ -263,7 +298,7 @@ def grpo_summary(results: Sequence[dict]) -> dict:
   return {"loss": float(np.mean([float(r["loss"]) for r in results]))}
 
 
-TASKS = {"lm": LM, "classification": CLASSIFICATION,
+TASKS = {"lm": LM, "classification": CLASSIFICATION, "click": CLICK,
          "dpo": Task(name="dpo", unit="tok", loss=preference_loss, evaluate=preference_eval,
                      summarize=preference_summary, reference=preference_reference),
          "grpo": Task(name="grpo", unit="tok", loss=grpo_loss, evaluate=grpo_eval,
