@@ -115,3 +115,19 @@ def test_clip_norm_zero_turns_clipping_off(clip_norm):
     np.testing.assert_array_equal(a, b)
   np.testing.assert_allclose(optax.global_norm(off), (1 - config["b1"]) * 12.649, rtol=1e-4)
   np.testing.assert_allclose(optax.global_norm(clipped), 1 - config["b1"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("ici,dcn", [("data:2,fsdp:2,tensor:2", ""),
+                                     ("data:1,fsdp:2,tensor:2", "data:2")])
+def test_a_data_axis_beside_fsdp_with_the_vocabulary_split_trains_as_one_device(unsharded, ici,
+                                                                                dcn):
+  """docs/sharding.md: with the batch over data and fsdp and the vocabulary over tensor, XLA
+  can replicate the embedding lookup's output on its way to the batch's split, and says so
+  ("Involuntary full rematerialization": the tiny LM on one slice here, the CPU demo on two);
+  the losses and parameters are one device's all the same."""
+  config = tiny_config("fsdp_tp", ici)
+  config.mesh.dcn = dcn
+  losses, params, setup = train_steps(config)
+  assert setup.spec.mesh.shape["data"] == 2
+  np.testing.assert_allclose(losses, unsharded[0], **TOLERANCE)
+  assert_trees_close(params, unsharded[1], **TOLERANCE)
