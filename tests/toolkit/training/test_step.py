@@ -117,6 +117,7 @@ def test_clip_norm_zero_turns_clipping_off(clip_norm):
   np.testing.assert_allclose(optax.global_norm(clipped), 1 - config["b1"], rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ici,dcn", [("data:2,fsdp:2,tensor:2", ""),
                                      ("data:1,fsdp:2,tensor:2", "data:2")])
 def test_a_data_axis_beside_fsdp_with_the_vocabulary_split_trains_as_one_device(unsharded, ici,
