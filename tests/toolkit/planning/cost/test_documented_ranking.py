@@ -10,7 +10,7 @@ import pytest
 
 from tests import preloaded
 
-REPO = pathlib.Path(__file__).resolve().parents[3]
+REPO = pathlib.Path(__file__).resolve().parents[4]
 TIMEOUT_S = 300  # ~15 s here: 256 stand-in devices, ~3,000 candidate layouts
 
 
