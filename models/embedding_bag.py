@@ -82,7 +82,7 @@ def lookup(table: jax.Array, ids: jax.Array, lengths: jax.Array,
   elif cols_axes:
     per_device = functools.partial(_columns_per_device, cols_axes=cols_axes)
   else:
-    per_device = _replicated_per_device
+    per_device = _pool  # each device pools its batch block from its own copy
   pooled = sharding.shard_map(per_device, in_axes=(TABLE, BAG, BAG),
                               out_axes=("batch", None))(table, ids, weights)
   return _finish(pooled, lengths, pooling)
@@ -119,10 +119,6 @@ def _check_stored_as_computed(name: str) -> None:
 def _pool(table_block, ids, weights) -> jax.Array:
   rows = jnp.take(table_block, ids, axis=0, mode="fill", fill_value=0)
   return jnp.einsum("bk,bkd->bd", weights, rows)
-
-
-def _replicated_per_device(table_block, ids, weights):
-  return _pool(table_block, ids, weights)
 
 
 def _rows_per_device(table_block, ids, weights, *, rows_axes: Sequence[str],

@@ -69,12 +69,16 @@ def fetch(cache: str) -> str:
       tail = (getattr(e, "stderr", "") or "").strip().splitlines()[-1:] or ["timed out"]
       raise ConfigError(f"could not download {WHEEL} for MovieLens-100k ({tail[0]}); copy "
                         f"{', '.join(FILES)} into {folder} by hand") from None
-    wheel = glob.glob(os.path.join(download, "*.whl"))[0]
-    with zipfile.ZipFile(wheel) as archive:
-      for name in FILES:
-        data = archive.read(f"recbole/dataset_example/ml-100k/{name}")
-        with open(os.path.join(folder, name), "wb") as f:
-          f.write(data)
+    wheels = glob.glob(os.path.join(download, "*.whl"))
+    try:
+      with zipfile.ZipFile(wheels[0]) as archive:
+        files = {name: archive.read(f"recbole/dataset_example/ml-100k/{name}") for name in FILES}
+    except (IndexError, KeyError, zipfile.BadZipFile) as e:
+      raise ConfigError(f"{WHEEL} did not hold MovieLens-100k ({e}); copy {', '.join(FILES)} "
+                        f"into {folder} by hand") from None
+  for name, data in files.items():
+    with open(os.path.join(folder, name), "wb") as f:
+      f.write(data)
   return folder
 
 

@@ -84,3 +84,14 @@ def test_broken_files_are_one_error_naming_them(tmp_path):
   os.remove(os.path.join(folder, "ml-100k.user"))
   with pytest.raises(ConfigError, match="ml-100k.user does not exist"):
     movielens.read(folder)
+
+
+def test_a_download_without_the_files_is_one_error_and_writes_nothing(tmp_path, monkeypatch):
+  def fake_pip(args, **_):
+    import zipfile  # pylint: disable=g-import-not-at-top
+    with zipfile.ZipFile(os.path.join(args[args.index("-d") + 1], "recbole.whl"), "w") as w:
+      w.writestr("recbole/__init__.py", "")
+  monkeypatch.setattr(movielens.subprocess, "run", fake_pip)
+  with pytest.raises(ConfigError, match=r"did not hold MovieLens-100k .*copy ml-100k.inter"):
+    movielens.fetch(str(tmp_path))
+  assert not os.listdir(tmp_path / "ml-100k")
