@@ -32,17 +32,28 @@ def test_a_dead_peers_runtime_errors_go_to_the_log_not_the_terminal(tmp_path):
   the terminal, in the attempt's log, which holds every line. Before a peer died they show."""
   import io  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  survivor = ("import sys, time\n"
+  # The peer exits only after the survivor's first line (a file says so), and the survivor's
+  # second line waits until the peer is on its way out: the order cannot depend on start-up.
+  wait_for = ("def wait_for(name):\n"
+              "  end = time.monotonic() + 60\n"
+              "  while not os.path.exists(name):\n"
+              "    assert time.monotonic() < end, name\n"
+              "    time.sleep(0.05)\n")
+  survivor = ("import os, sys, time\n" + wait_for +
               "print('E1207 12:00:00.000000 1 a.cc:1] before any peer died', file=sys.stderr, "
               "flush=True)\n"
+              "open('printed', 'w').close()\n"
+              "wait_for('peer_exits')\n"
               "time.sleep(3)\n"  # the peer below has exited by then
               "print('F1207 12:00:03.000000 1 b.cc:2] the peer stopped sending heartbeats', "
               "file=sys.stderr, flush=True)\n"
               "print('step 1/2 | plain output', flush=True)\n"
               "sys.exit(1)\n")
+  peer = ("import os, time\n" + wait_for +
+          "wait_for('printed')\nopen('peer_exits', 'w').close()\nraise SystemExit(3)\n")
   err, out, log = io.StringIO(), io.StringIO(), io.StringIO()
   job = pod.Pod(2, 1, [], out=out, err=err, log=log, cwd=str(tmp_path))
-  job.commands = [[sys.executable, "-c", survivor], [sys.executable, "-c", "raise SystemExit(3)"]]
+  job.commands = [[sys.executable, "-c", survivor], [sys.executable, "-c", peer]]
   job.start()
   try:
     job.wait(timeout_s=60)
