@@ -37,8 +37,8 @@ PRESETS = {
 class DLRMConfig:
   table_rows: tuple[int, ...]          # one table per categorical feature
   embed_dim: int = 16                  # each table's row width, and the bottom MLP's output
-  dense_features: int = 13
-  bottom_mlp: tuple[int, ...] = (64, 16)  # widths; the last is embed_dim
+  dense_features: int = 13             # 0: no dense input and no bottom MLP
+  bottom_mlp: tuple[int, ...] = (64, 16)  # widths; the last is embed_dim; () without dense
   cross_layers: int = 3
   cross_rank: int = 0                  # 0: full W_l; r > 0: U_l V_l^T of rank r
   top_mlp: tuple[int, ...] = (64, 32)  # widths before the one logit
@@ -58,13 +58,18 @@ class DLRMConfig:
 
   @property
   def interaction_width(self) -> int:
-    return self.embed_dim * (len(self.table_rows) + 1)
+    return self.embed_dim * (len(self.table_rows) + (1 if self.dense_features else 0))
 
   def validate(self, field: str = "model") -> None:
     """Raises ValueError naming the field and the fix."""
     if not self.table_rows or min(self.table_rows) < 1:
       raise ValueError(f"{field}.table_rows={self.table_rows}: give each table at least one row")
-    if not self.bottom_mlp or self.bottom_mlp[-1] != self.embed_dim:
+    if self.dense_features < 0:
+      raise ValueError(f"{field}.dense_features={self.dense_features} must be >= 0")
+    if not self.dense_features and self.bottom_mlp:
+      raise ValueError(f"{field}.bottom_mlp={self.bottom_mlp} with {field}.dense_features=0: "
+                       f"there is no dense input to feed it; set {field}.bottom_mlp=()")
+    if self.dense_features and (not self.bottom_mlp or self.bottom_mlp[-1] != self.embed_dim):
       raise ValueError(f"{field}.bottom_mlp={self.bottom_mlp} must end at {field}.embed_dim="
                        f"{self.embed_dim}: its output sits beside the tables' rows")
     if self.pooling not in embedding_bag.POOLINGS:
@@ -77,7 +82,7 @@ class DLRMConfig:
     """Training FLOPs per example (forward + backward): 6 x the dense layers' weights; the
     lookups are memory traffic, not FLOPs."""
     bottom = sum(a * b for a, b in zip((self.dense_features, *self.bottom_mlp),
-                                       self.bottom_mlp))
+                                       self.bottom_mlp)) if self.dense_features else 0
     width = self.interaction_width
     cross = self.cross_layers * (2 * width * self.cross_rank if self.cross_rank
                                  else width * width)
@@ -148,7 +153,8 @@ class DLRM(nnx.Module):
     for t, rows in enumerate(cfg.table_rows):  # `table0`, `table1`, ...: one per feature
       setattr(self, f"table{t}", params.normal(rngs, (rows, cfg.embed_dim), embedding_bag.TABLE,
                                                rows**-0.5, cfg.param_dtype))
-    self.bottom = MLP((cfg.dense_features, *cfg.bottom_mlp), cfg.param_dtype, rngs)
+    if cfg.dense_features:  # no zero-sized weights: a checkpoint cannot hold them
+      self.bottom = MLP((cfg.dense_features, *cfg.bottom_mlp), cfg.param_dtype, rngs)
     self.cross = CrossNetwork(cfg.interaction_width, cfg.cross_layers, cfg.cross_rank,
                               cfg.param_dtype, rngs)
     self.top = MLP((cfg.interaction_width, *cfg.top_mlp, 1), cfg.param_dtype, rngs)
@@ -160,5 +166,7 @@ class DLRM(nnx.Module):
     pooled = [embedding_bag.lookup(getattr(self, f"table{t}")[...], rows_of(t, rows),
                                    lengths[:, t], pooling=cfg.pooling, name=f"table{t}")
               for t, rows in enumerate(cfg.table_rows)]
-    x0 = jnp.concatenate([jax.nn.relu(self.bottom(dense.astype(jnp.float32))), *pooled], axis=1)
+    if cfg.dense_features:
+      pooled.insert(0, jax.nn.relu(self.bottom(dense.astype(jnp.float32))))
+    x0 = jnp.concatenate(pooled, axis=1)
     return self.top(self.cross(x0))[:, 0].astype(jnp.float32)

@@ -54,7 +54,9 @@ def _numpy_dlrm(cfg: DLRMConfig, p, dense, ids, lengths) -> np.ndarray:
     pooled.append(np.stack([
         sum((p[f"table{t}"][hashed[b][k]] for k in range(lengths[b, t])), np.zeros(cfg.embed_dim))
         for b in range(BATCH)]))
-  x0 = np.concatenate([mlp(dense.astype(np.float64), p["bottom"], True), *pooled], axis=1)
+  if cfg.dense_features:
+    pooled.insert(0, mlp(dense.astype(np.float64), p["bottom"], True))
+  x0 = np.concatenate(pooled, axis=1)
   x = x0
   for layer in range(cfg.cross_layers):
     c = p["cross"]
@@ -63,9 +65,10 @@ def _numpy_dlrm(cfg: DLRMConfig, p, dense, ids, lengths) -> np.ndarray:
   return mlp(x, p["top"], False)[:, 0]
 
 
-@pytest.mark.parametrize("cross_rank", [0, 4])
-def test_logits_equal_a_float64_numpy_dlrm(cross_rank):
-  cfg = DLRMConfig.preset("tiny", cross_rank=cross_rank)
+@pytest.mark.parametrize("cross_rank,dense_features", [(0, 13), (4, 13), (0, 0)])
+def test_logits_equal_a_float64_numpy_dlrm(cross_rank, dense_features):
+  bottom = {} if dense_features else dict(bottom_mlp=())  # MovieLens: ids only, no bottom MLP
+  cfg = DLRMConfig.preset("tiny", cross_rank=cross_rank, dense_features=dense_features, **bottom)
   graphdef, state = _model(cfg)
   batch = _batch(cfg)
   got = jax.jit(lambda s, *b: _apply(graphdef, s, *b))(state, *batch)
@@ -100,6 +103,7 @@ def test_row_wise_tables_on_8_devices_train_as_on_one():
     (dict(bottom_mlp=(16, 4)), "must end at model.embed_dim=8"),
     (dict(table_rows=(5, 0)), "at least one row"),
     (dict(pooling="max"), "pooling='max'"),
+    (dict(dense_features=0), "no dense input to feed it; set model.bottom_mlp=()"),
 ])
 def test_a_config_that_cannot_be_built_is_one_error(overrides, message):
   with pytest.raises(ValueError, match=message):
