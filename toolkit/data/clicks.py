@@ -3,8 +3,9 @@
 `data.source="movielens"` (MovieLens-100k, `data.path` the download cache).
 
 Each example is {"dense" (F,) float32, "ids" (T, bag) int32, "lengths" (T,) int32, "label"}.
-The held-out split is the last `data.eval_fraction` of the examples in their order (a click
-log's time order; MovieLens by timestamp), never a random draw: no future is trained on.
+The held-out split is by time, never a random draw: the last `data.eval_fraction` of a click
+log's lines, and for MovieLens each user's latest `data.eval_fraction` of ratings
+(`movielens.split`). No future is trained on.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class ClickArrays:
   lengths: np.ndarray  # (n, T) int32
   labels: np.ndarray   # (n,) int32
   name: str
+  held_out: int = 0    # the last `held_out` are the source's own held-out set; 0: none given
 
   def __len__(self) -> int:
     return len(self.labels)
@@ -75,16 +77,18 @@ def load(data) -> ClickArrays:
       examples = criteo.read(path)
     return ClickArrays(examples.dense, examples.ids[:, :, None],
                        np.ones(examples.ids.shape, np.int32), examples.labels, path)
-  examples = movielens.read(movielens.fetch(data.path))
-  order = np.argsort(examples.timestamps, kind="stable")
-  examples = examples.take(order)
-  return ClickArrays(np.zeros((len(examples), 0), np.float32), examples.ids, examples.lengths,
-                     examples.labels, "movielens")
+  train, test = movielens.split(movielens.read(movielens.fetch(data.path)),
+                                data.eval_fraction)
+  ids, lengths = (np.concatenate([a, b]) for a, b in ((train.ids, test.ids),
+                                                      (train.lengths, test.lengths)))
+  return ClickArrays(np.zeros((len(ids), 0), np.float32), ids, lengths,
+                     np.concatenate([train.labels, test.labels]), "movielens", len(test))
 
 
 def split(examples: ClickArrays, eval_fraction: float) -> tuple[ClickArrays, ClickArrays]:
-  """(train, held out): the held-out examples are the last `eval_fraction` of them."""
-  count = max(1, int(round(len(examples) * eval_fraction)))
+  """(train, held out): the held-out examples are the last `eval_fraction` of them, or the
+  source's own held-out set where it gives one (`held_out`)."""
+  count = examples.held_out or max(1, int(round(len(examples) * eval_fraction)))
   if count >= len(examples):
     raise ConfigError(f"{examples.name}: {len(examples)} example(s) leave nothing to train on "
                       f"after holding out data.eval_fraction={eval_fraction}")

@@ -12,8 +12,8 @@ files in `cache/ml-100k/`; a folder that already holds them is used as it is.
 
 Features, one bag per column of `Examples.ids` (FEATURES), each id within its table's rows:
 user, item, age group (7 buckets), gender, occupation, zip code's first three characters,
-genres (a bag of up to 6) and the movie's release year. The split is by time: every test
-rating is later than every training rating, so no user's future is trained on.
+genres (a bag of up to 6) and the movie's release year. The split is by time within each user
+(RecBole's default): each user's latest ratings are test, so no user's future is trained on.
 """
 from __future__ import annotations
 
@@ -142,11 +142,20 @@ def read(folder: str) -> Examples:
 
 
 def split(examples: Examples, test_fraction: float = 0.2) -> tuple[Examples, Examples]:
-  """(train, test) by time: test is the latest `test_fraction` of the ratings, and every test
-  rating is strictly later than every training one (ties at the cut go to test)."""
+  """(train, test) by time within each user, as RecBole and most recommendation papers
+  evaluate: each user's latest `test_fraction` of ratings (rounded) are test, so every test
+  rating of a user is strictly later than each of that user's training ratings (ties at a
+  user's cut go to test). Both sets are in time order."""
   if not 0 < test_fraction < 1:
     raise ConfigError(f"test_fraction={test_fraction}: give a share between 0 and 1")
-  cut = np.sort(examples.timestamps)[int(len(examples) * (1 - test_fraction))]
-  later = examples.timestamps >= cut
+  user = examples.ids[:, FEATURES.index("user"), 0]
+  by_user = np.lexsort((examples.timestamps, user))
+  users, starts, counts = np.unique(user[by_user], return_index=True, return_counts=True)
+  later = np.zeros(len(examples), bool)
+  for start, count in zip(starts, counts):
+    held = int(round(count * test_fraction))
+    if held:
+      mine = by_user[start:start + count]
+      later[mine] = examples.timestamps[mine] >= examples.timestamps[mine[count - held]]
   order = np.argsort(examples.timestamps, kind="stable")
   return (examples.take(order[~later[order]]), examples.take(order[later[order]]))

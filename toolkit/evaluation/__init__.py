@@ -9,5 +9,7 @@
 - `tokens`: the tokenizer a checkpoint trained with;
 - `exact_match`: a chat model's held-out exact match, answered greedily;
 - `offline`: a checkpoint's evaluation (`python -m toolkit.evaluate`);
-- `periodic`: tasks every N training steps (`train.eval_tasks`).
+- `periodic`: tasks every N training steps (`train.eval_tasks`);
+- `click_baselines`: the baselines a click model is compared with (scikit-learn's logistic
+  regression, matrix factorisation).
 """

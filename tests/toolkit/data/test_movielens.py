@@ -55,11 +55,14 @@ def test_the_split_by_time_puts_no_users_future_in_training(tmp_path):
   got = movielens.read(_write(tmp_path / "ml"))
   train, test = movielens.split(got, test_fraction=0.2)
   assert len(train) + len(test) == len(got) and 0.15 < len(test) / len(got) < 0.25
-  assert train.timestamps.max() < test.timestamps.min()
   user = movielens.FEATURES.index("user")
-  for u in np.unique(test.ids[:, user, 0]):
-    mine = train.timestamps[train.ids[:, user, 0] == u]
-    assert not mine.size or mine.max() < test.timestamps[test.ids[:, user, 0] == u].min()
+  for u in np.unique(got.ids[:, user, 0]):
+    mine, theirs = (e.timestamps[e.ids[:, user, 0] == u] for e in (train, test))
+    assert mine.size and theirs.size, u  # each user in both: 10+ ratings a user here
+    assert mine.max() < theirs.min(), u
+    assert theirs.size >= round(0.2 * (mine.size + theirs.size)), u
+  for part in (train, test):
+    assert (np.diff(part.timestamps) >= 0).all()
   with pytest.raises(ConfigError, match="test_fraction=1.5"):
     movielens.split(got, 1.5)
 
