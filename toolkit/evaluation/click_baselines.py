@@ -10,6 +10,8 @@ same features (docs/recommendations.md):
   train, test = movielens.split(movielens.read(movielens.fetch(cache)), test_fraction=0.2)
   logistic_regression(train, test)            # held-out ROC AUC
   matrix_factorization(train, test, seed=0)
+
+scikit-learn is an optional dependency: `pip install -e '.[recommendations]'`.
 """
 from __future__ import annotations
 
@@ -18,12 +20,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from scipy import sparse
-from sklearn import linear_model, metrics
 
 from toolkit.data import movielens
+from toolkit.errors import ConfigError
 
 # Logistic matrix factorisation: rank, L2 penalty per example, Adam's rate, passes, batch.
 MF_RANK, MF_L2, MF_LEARNING_RATE, MF_EPOCHS, MF_BATCH = 16, 1e-4, 3e-3, 10, 256
+
+
+def _sklearn():
+  """scikit-learn's linear_model and metrics, or one error naming the install."""
+  try:
+    from sklearn import linear_model, metrics  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ConfigError("the click baselines need scikit-learn: pip install -e "
+                      "'.[recommendations]'") from None
+  return linear_model, metrics
 
 
 def multi_hot(examples: movielens.Examples) -> sparse.csr_matrix:
@@ -40,6 +52,7 @@ def multi_hot(examples: movielens.Examples) -> sparse.csr_matrix:
 
 def logistic_regression(train: movielens.Examples, test: movielens.Examples) -> float:
   """Held-out ROC AUC of scikit-learn's logistic regression at its defaults."""
+  linear_model, metrics = _sklearn()
   model = linear_model.LogisticRegression(max_iter=1000).fit(multi_hot(train), train.labels)
   return float(metrics.roc_auc_score(test.labels, model.predict_proba(multi_hot(test))[:, 1]))
 
@@ -47,6 +60,7 @@ def logistic_regression(train: movielens.Examples, test: movielens.Examples) -> 
 def matrix_factorization(train: movielens.Examples, test: movielens.Examples,
                          seed: int = 0) -> float:
   """Held-out ROC AUC of logistic matrix factorisation on (user, item) alone."""
+  _, metrics = _sklearn()
   user, item = movielens.FEATURES.index("user"), movielens.FEATURES.index("item")
   users, items = train.rows[user], train.rows[item]
   init_key, order_key = jax.random.split(jax.random.key(seed))
