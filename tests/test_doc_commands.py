@@ -117,6 +117,7 @@ SAMPLE = {True: "--config.train.sample_tokens=16", False: "--config.train.sample
 SHORTER = {
     r"--batches=200": "--batches=5",
     r"--requests=200": "--requests=16",
+    r"(scripts/bench/bench_score\.py [^\n]*)": r"\1 --rounds=1 --seconds=1 --clients=1,4",
     r"(toolkit\.sweep --config=experiments/lm\.py):cpu": r"\1:tiny",
     r"(toolkit\.sweep --config=experiments/sft\.py):lora": r"\1:tiny",
     # The 7b decode step with its layers scanned: unrolled (the script's default, for a cost
@@ -167,6 +168,9 @@ FULL = {
         tiers.COMMAND, f"{_TUNING}/test_sweep.py::test_killed_sweep_resumes_to_the_same_table"),
     r"scripts/launch/seeds\.py": (
         tiers.COMMAND, f"{_TUNING}/test_seeds.py::test_each_seed_is_a_run_with_that_seed"),
+    r"toolkit\.serve --config=experiments/dlrm": (
+        tiers.COMMAND, f"{_SERVING}/test_score_server.py::"
+                       "test_the_command_line_serves_a_click_checkpoint"),
     r"toolkit\.serve": (
         tiers.COMMAND, f"{_SERVING}/test_openai_api.py::"
                        "test_completions_equal_generate_and_stream_joins_to_the_answer"),
@@ -226,6 +230,9 @@ PRODUCERS = {
                     r"--workdir=runs/lm_cpu$"),
     "runs/lm_cpu_lr1e-3": (r"toolkit\.train --config=experiments/lm\.py:cpu "
                            r"--workdir=runs/lm_cpu_lr1e-3"),
+    "runs/dlrm_cpu": r"toolkit\.train --config=experiments/dlrm\.py:cpu --workdir=runs/dlrm_cpu",
+    "runs/dlrm_movielens": (r"toolkit\.train --config=experiments/dlrm\.py:movielens "
+                            r"--workdir=runs/dlrm_movielens"),
     "runs/vit_digits": r"toolkit\.train --config=experiments/vit\.py:cpu --workdir=runs/vit_digits",
     "runs/hf_tiny": r"scripts/data/tiny_hf_model\.py --out=runs/hf_tiny",
     "runs/hf_import": r"toolkit\.convert import --hf=runs/hf_tiny --workdir=runs/hf_import",

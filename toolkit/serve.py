@@ -1,9 +1,12 @@
 """`python -m toolkit.serve`: an HTTP JSON endpoint over the continuous batcher, with
 OpenAI's completions and chat completions (toolkit/serving/server.py has the endpoints and
-their contract, toolkit/serving/openai_api.py the OpenAI routes).
+their contract, toolkit/serving/openai_api.py the OpenAI routes). A recommendation model's
+checkpoint (model.kind="dlrm") gets the scoring route instead, its requests batched across
+clients (toolkit/serving/score_api.py).
 
   python -m toolkit.serve --config=experiments/lm.py:cpu --checkpoint=runs/lm_cpu --port=8000
   curl -s localhost:8000/generate -d '{"prompt": "The ", "max_tokens": 40, "temperature": 0.8}'
+  python -m toolkit.serve --config=experiments/dlrm.py:movielens --checkpoint=runs/dlrm_movielens
 """
 from __future__ import annotations
 
@@ -31,20 +34,14 @@ def cli() -> None:
       "experiments/lm.py:cpu; its mesh and sharding rules place the model.", lock_config=True)
   checkpoint_flag = flags.DEFINE_string("checkpoint", None, "Required. A training workdir or "
                                         "its checkpoints/ folder; the latest step is served.")
-  host_flag = flags.DEFINE_string("host", "127.0.0.1", "Address to bind; 0.0.0.0 exposes the "
-                                  "server to the network.")
-  port_flag = flags.DEFINE_integer("port", 8000, "TCP port; 0 picks a free one.", lower_bound=0,
-                                   upper_bound=65535)
+  host_flag, port_flag, queue_flag, timeout_flag = _define_server_flags()
   batch_flag = flags.DEFINE_integer("batch_size", 16, "Cache slots: requests decoded together.",
                                     lower_bound=1)
   cache_flag = flags.DEFINE_integer("cache_length", offline.DEFAULT_CACHE_LENGTH,
                                     "KV cache positions per request: prompt + max_tokens must "
                                     "fit.", lower_bound=2)
-  queue_flag = flags.DEFINE_integer("max_queue", 1024, "Requests that may wait for a slot; "
-                                    "more get 503 (/generate) or 429 (/v1).", lower_bound=1)
-  timeout_flag = flags.DEFINE_float("request_timeout", 600.0, "Seconds before a request gets "
-                                    "504.", lower_bound=1.0)
   model_name_flag, chat_template_flag = _define_openai_flags()
+  score_flags = _define_score_flags()
   sampling_flags = generate.define_sampling_flags()
   engine_flags = generate.define_engine_flags()  # paged cache, chunked prefill, weights
   tokenizer_flag = generate.define_tokenizer_flag()
@@ -56,6 +53,10 @@ def cli() -> None:
     runtime.start(cache_dir_flag.value, mesh=config_flag.value.mesh,
                   xla_flags=xla_flags.setting_of(config_flag.value))
     command_line.check_platform()
+    if config_flag.value.model.get("kind") == "dlrm":
+      _serve_scores(config_flag.value, checkpoint_flag.value, host_flag.value, port_flag.value,
+                    queue_flag.value, timeout_flag.value, score_flags)
+      return
     try:
       defaults = requests.sampling_defaults(**{k: f.value for k, f in sampling_flags.items()})
       params, model_cfg, mesh, rules, step = restore.restore_params(config_flag.value,
@@ -93,6 +94,19 @@ def cli() -> None:
                                                  "--checkpoint=runs/lm_cpu"}))
 
 
+def _define_server_flags():
+  """--host, --port, --max_queue and --request_timeout: every server's."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  return (flags.DEFINE_string("host", "127.0.0.1", "Address to bind; 0.0.0.0 exposes the "
+                              "server to the network."),
+          flags.DEFINE_integer("port", 8000, "TCP port; 0 picks a free one.", lower_bound=0,
+                               upper_bound=65535),
+          flags.DEFINE_integer("max_queue", 1024, "Requests that may wait for a slot; more get "
+                               "503 (/generate, /v1/score) or 429 (/v1).", lower_bound=1),
+          flags.DEFINE_float("request_timeout", 600.0, "Seconds before a request gets 504.",
+                             lower_bound=1.0))
+
+
 def _define_openai_flags():
   """--model_name and --chat_template, the OpenAI routes' (toolkit/serving/openai_api.py)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
@@ -105,14 +119,50 @@ def _define_openai_flags():
                               "folder's, else a plain 'role: content' template."))
 
 
-def _serve_until_stopped(server, model_name: str) -> None:
+def _define_score_flags() -> dict:
+  """The scoring server's flags (recommendation checkpoints only)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from toolkit.inference import score_requests  # pylint: disable=g-import-not-at-top
+  return {
+      "max_batch": flags.DEFINE_integer(
+          "max_batch", 2048, "Recommendation models: the most candidates scored in one "
+          "compiled call, from every waiting request.", lower_bound=1),
+      "max_wait_ms": flags.DEFINE_float(
+          "max_wait_ms", 0.0, "Recommendation models: how long a call waits for more requests "
+          "after the first; 0 takes only those already waiting (requests gather while the "
+          "previous call runs).", lower_bound=0.0),
+      "max_candidates": flags.DEFINE_integer(
+          "max_candidates", score_requests.MAX_CANDIDATES_DEFAULT, "Recommendation models: "
+          "the most candidates in one request (at most --max_batch).", lower_bound=1)}
+
+
+def _serve_scores(config, checkpoint: str, host: str, port: int, max_queue: int,
+                  timeout_s: float, score_flags: dict) -> None:
+  """The scoring server of a click model's checkpoint, until SIGINT/SIGTERM."""
+  import sharding  # pylint: disable=g-import-not-at-top
+  from toolkit import command_line  # pylint: disable=g-import-not-at-top
+  from toolkit.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from toolkit.inference.sampling import RequestError  # pylint: disable=g-import-not-at-top
+  from toolkit.serving import score_api  # pylint: disable=g-import-not-at-top
+  try:
+    server = score_api.start(
+        config, checkpoint, host, port, score_flags["max_batch"].value,
+        score_flags["max_wait_ms"].value / 1000, score_flags["max_candidates"].value,
+        max_queue, timeout_s, log=lambda line: print(line, flush=True))
+  except (ConfigError, sharding.ShardingError, RequestError) as e:
+    command_line.fail(e)
+  _serve_until_stopped(server, routes="POST /v1/score; GET /health, /metrics")
+
+
+def _serve_until_stopped(server, model_name: str = "", routes: str = "") -> None:
   """Announces the server, then waits for SIGINT/SIGTERM (or the decode loop to die)."""
   import signal  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  print(f"chat template: {server.service.chat_template}", flush=True)
-  print(f"serving on {server.url} (POST /generate, /v1/completions, /v1/chat/completions; "
-        f"GET /v1/models, /health, /metrics; model name {model_name!r}); Ctrl-C stops",
-        flush=True)
+  if not routes:
+    print(f"chat template: {server.service.chat_template}", flush=True)
+    routes = (f"POST /generate, /v1/completions, /v1/chat/completions; GET /v1/models, "
+              f"/health, /metrics; model name {model_name!r}")
+  print(f"serving on {server.url} ({routes}); Ctrl-C stops", flush=True)
   stopping = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda *_: stopping.set())

@@ -1,4 +1,4 @@
-"""Inference: the engine that generates and predicts. The HTTP server over it is
+"""Inference: the engines that generate, predict and score. The HTTP server over it is
 toolkit/serving/.
 
 - `engine`: the paged KV cache's compiled step and how a step's rows are laid out;
@@ -11,5 +11,7 @@ toolkit/serving/.
   prompt, requests and results as JSON;
 - `offline`: offline batch generation (`python -m toolkit.generate`);
 - `classify`: classifier prediction (`python -m toolkit.predict`);
+- `scoring`: click scores of a recommendation model, requests batched across clients;
+- `score_requests`: scoring requests as JSON, checked against a model's features;
 - `decode_cost`: the decode step compiled ahead of time for a target.
 """

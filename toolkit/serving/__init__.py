@@ -7,5 +7,6 @@
 - `http_request`: one request's life on the event loop (body limits, submissions, deadlines,
   cancellation when the client goes away);
 - `text_stream`: a request's text as its tokens come, with stop strings;
-- `latency`: the per-request latency histograms /metrics exports.
+- `latency`: the per-request latency histograms /metrics exports;
+- `score_api`: the scoring server of a recommendation checkpoint (/v1/score).
 """

@@ -47,7 +47,7 @@ from toolkit.serving.openai_api import OpenAIRoutes
 from toolkit.inference.requests import parse_prompt, result_record
 from toolkit.inference.sampling import RequestError, SamplingParams
 
-__all__ = ["MAX_BODY_BYTES", "Server", "Service", "UNHEALTHY_AFTER_STEP_ERRORS"]
+__all__ = ["Listener", "MAX_BODY_BYTES", "Server", "Service", "UNHEALTHY_AFTER_STEP_ERRORS"]
 # /health answers 503 once this many decode steps in a row raised (one can be a bad request).
 UNHEALTHY_AFTER_STEP_ERRORS = 3
 REJECTED_STATUSES = (400, 404, 405, 413, 429, 503)
@@ -208,19 +208,16 @@ class Service:
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
-class Server:
-  """The batcher thread plus aiohttp on its own event-loop thread; `start` returns once the
-  socket listens, `stop` ends both. Port 0 picks a free port (see `url`)."""
+class Listener:
+  """A worker thread (`worker(stop_event)`, which owns the devices) plus aiohttp serving
+  `service.app()` on its own event-loop thread; `start` returns once the socket listens, `stop`
+  ends both. Port 0 picks a free port (see `url`). The service's `loop_alive` reports the
+  worker."""
 
-  def __init__(self, batcher: engine_lib.Batcher, defaults: SamplingParams = SamplingParams(),
-               host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float = 600.0,
-               info: dict | None = None, codec: Codec = BYTE_LEVEL, model_name: str = "meshkit",
-               chat_template: str = ""):
-    self.batcher, self.host, self.port = batcher, host, port
-    self.service = Service(batcher, defaults, request_timeout_s, info or {}, codec, model_name,
-                           chat_template)
+  def __init__(self, service, worker, host: str, port: int):
+    self.service, self.host, self.port = service, host, port
     self._stop = threading.Event()
-    self._decode_thread = threading.Thread(target=batcher.run, args=(self._stop,),
+    self._decode_thread = threading.Thread(target=worker, args=(self._stop,),
                                            name="decode-loop", daemon=True)
     self.service.loop_alive = self._decode_thread.is_alive
     self._loop = asyncio.new_event_loop()
@@ -229,7 +226,7 @@ class Server:
     self._runner: web.AppRunner | None = None
     self.url = ""
 
-  def start(self, timeout_s: float = 60.0) -> Server:
+  def start(self, timeout_s: float = 60.0):
     server_logger = logging.getLogger("aiohttp.server")
     if _client_mistakes_without_tracebacks not in server_logger.filters:
       server_logger.addFilter(_client_mistakes_without_tracebacks)
@@ -251,7 +248,7 @@ class Server:
       self.stop()
       raise RequestError(f"cannot listen on {self.host}:{self.port} ({e.strerror}); pick "
                          f"another --port or --host") from None
-    # Only a server that listens steps the batcher: one thread per batcher, ever.
+    # Only a server that listens runs the worker: one thread per batcher, ever.
     self._decode_thread.start()
     host, port = address[0], address[1]
     self.port = port
@@ -267,3 +264,15 @@ class Server:
     self._stop.set()
     if self._decode_thread.is_alive():
       self._decode_thread.join(timeout_s)
+
+
+class Server(Listener):
+  """The language-model server: the batcher's decode loop plus the Service's routes."""
+
+  def __init__(self, batcher: engine_lib.Batcher, defaults: SamplingParams = SamplingParams(),
+               host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float = 600.0,
+               info: dict | None = None, codec: Codec = BYTE_LEVEL, model_name: str = "meshkit",
+               chat_template: str = ""):
+    self.batcher = batcher
+    super().__init__(Service(batcher, defaults, request_timeout_s, info or {}, codec,
+                             model_name, chat_template), batcher.run, host, port)
