@@ -10,6 +10,9 @@ features) and pooled into one vector per example, on any mesh without ever movin
 - `sum` pools sum(w x row); `mean` divides that by the bag's length (0 for an empty bag).
 
 Ids from the wild go through `hash_ids` first (Knuth's multiplicative hash, stated there).
+Tables that no mesh axis splits (one device, or rules that place them whole) can be looked up
+all at once with `lookup_stacked`: one gather from the tables stacked row-wise, as TorchRec's
+table-batched embeddings do, where a lookup per table launches its own ops.
 
 Placement follows the active rules (sharding.activation_rules) for the table's two axes:
 - **replicated**: each device pools its batch block's bags from its own copy;
@@ -42,11 +45,39 @@ POOLINGS = ("sum", "mean")
 HASH_MULTIPLIER = 2654435761
 
 
-def hash_ids(ids: jax.Array, rows: int) -> jax.Array:
+def hash_ids(ids: jax.Array, rows) -> jax.Array:
   """Any integer ids into [0, rows): ((id mod 2^32) x 2654435761 mod 2^32) mod rows, int32.
-  Equal ids always land on the same row; distinct ids collide as a random hash's would."""
+  Equal ids always land on the same row; distinct ids collide as a random hash's would.
+  `rows` is an int, or an array that broadcasts against `ids` (a row count per table)."""
   hashed = ids.astype(jnp.uint32) * jnp.uint32(HASH_MULTIPLIER)
-  return (hashed % jnp.uint32(rows)).astype(jnp.int32)
+  return (hashed % jnp.asarray(rows, jnp.uint32)).astype(jnp.int32)
+
+
+def replicated() -> bool:
+  """Whether the active rules split neither table axis over more than one device: every
+  device holds whole tables (one device, or the rules place tables whole)."""
+  return sharding.active_ways(TABLE[0]) == sharding.active_ways(TABLE[1]) == 1
+
+
+def lookup_stacked(tables: Sequence[jax.Array], ids: jax.Array, lengths: jax.Array, *,
+                   pooling: str = "sum") -> jax.Array:
+  """(batch, T, dim): every table's bags in one gather from the tables stacked row-wise, as
+  TorchRec's table-batched lookups do; for tables of one width that no mesh axis splits
+  (`replicated()`). `ids` (batch, T, max_bag) are rows of their own table, `lengths`
+  (batch, T); equal to T calls of `lookup`, without T sets of ops to launch."""
+  if pooling not in POOLINGS:
+    raise ValueError(f"pooling={pooling!r} is unknown; choose one of {', '.join(POOLINGS)}")
+  _check_stored_as_computed("tables")
+  rows = [t.shape[0] for t in tables]
+  starts = jnp.asarray([sum(rows[:i]) for i in range(len(rows))], jnp.int32)[None, :, None]
+  inside = ((ids >= 0) & (ids < jnp.asarray(rows, jnp.int32)[None, :, None])
+            & (jnp.arange(ids.shape[2])[None, None, :] < lengths[:, :, None]))
+  stacked = jnp.concatenate(tables, axis=0)
+  gathered = jnp.take(stacked, jnp.where(inside, ids + starts, 0), axis=0)
+  pooled = jnp.einsum("btk,btkd->btd", inside.astype(stacked.dtype), gathered)
+  if pooling == "mean":
+    return pooled / jnp.maximum(lengths, 1).astype(pooled.dtype)[:, :, None]
+  return pooled
 
 
 def reference(table, ids, lengths, weights=None, pooling: str = "sum") -> jax.Array:

@@ -130,3 +130,38 @@ def test_a_placement_without_a_lookup_names_the_table(ici, overrides, activation
 def test_an_unknown_pooling_names_the_choices():
   with pytest.raises(ValueError, match="pooling='max' is unknown; choose one of sum, mean"):
     embedding_bag.lookup(*_bags(), pooling="max")
+
+
+@pytest.mark.parametrize("pooling", embedding_bag.POOLINGS)
+def test_the_stacked_lookup_equals_one_lookup_per_table(pooling):
+  """Replicated tables of three sizes in one gather (what DLRM does when no axis splits its
+  tables): each table's pooled bags and its gradient equal that table's own `jnp.take`, on 8
+  devices with the batch split; ids past a table's end add nothing."""
+  rng = np.random.default_rng(3)
+  tables = [rng.normal(size=(rows, DIM)).astype(np.float32) for rows in (64, 8, 24)]
+  ids = np.stack([_bags(seed)[1] % (rows + 2) for seed, rows in enumerate((64, 8, 24))], axis=1)
+  lengths = rng.integers(0, MAX_BAG + 1, size=(BATCH, 3)).astype(np.int32)
+  cotangent = jnp.asarray(rng.normal(size=(BATCH, 3, DIM)), jnp.float32)
+
+  def stacked(tables, ids, lengths):
+    return jnp.sum(embedding_bag.lookup_stacked(tables, ids, lengths, pooling=pooling)
+                   * cotangent)
+
+  def each(tables, ids, lengths):
+    return jnp.sum(jnp.stack([embedding_bag.reference(t, ids[:, i], lengths[:, i],
+                                                      pooling=pooling)
+                              for i, t in enumerate(tables)], axis=1) * cotangent)
+
+  want = jax.jit(jax.value_and_grad(each))(tables, ids, lengths)
+  mesh = sharding.make_mesh(sharding.parse_axis_sizes("data:2,fsdp:4", "mesh.ici"))
+  rules = sharding.Rules.preset("dp")
+
+  def under_rules(*args):
+    with sharding.activation_rules(rules, mesh):
+      assert embedding_bag.replicated()
+      return jax.value_and_grad(stacked)(*args)
+
+  got = jax.jit(under_rules)(tables, ids, lengths)
+  np.testing.assert_allclose(got[0], want[0], **TOLERANCE)
+  for g, w in zip(got[1], want[1]):
+    np.testing.assert_allclose(g, w, **TOLERANCE)
