@@ -37,13 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import queue
-import re
-import shlex
-import signal
-import subprocess
 import sys
-import threading
 import time
 import urllib.parse
 
@@ -52,6 +46,7 @@ import numpy as np
 from absl import app, flags
 
 from scripts.bench import serve_report
+from scripts.bench.started_server import StartedServer
 from scripts.bench.serve_report import STATS
 
 DEFAULT_SERVE = ("--config=experiments/lm.py:cpu --checkpoint=runs/lm_cpu --batch_size=16 "
@@ -293,51 +288,6 @@ async def run_long_prompt(url: str, running: list[dict], long_body: dict) -> dic
 
 
 # --- the server ----------------------------------------------------------------------------
-
-class StartedServer:
-  """`python -m toolkit.serve` on 127.0.0.1 and a free port; `url` once it listens. Its
-  start-up lines (the warm-up compile's, ~30 s) are shown as they come, marked [server]."""
-
-  def __init__(self, serve_flags: str, timeout_s: float):
-    argv = [sys.executable, "-m", "toolkit.serve", *shlex.split(serve_flags),
-            "--host=127.0.0.1", "--port=0"]
-    print(f"starting {' '.join(shlex.quote(a) for a in argv[1:])}", flush=True)
-    self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True)
-    self.lines: queue.Queue = queue.Queue()
-    self.output: list[str] = []
-    threading.Thread(target=self._read, daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while True:
-      try:
-        line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-      except queue.Empty:
-        self.stop()
-        raise SystemExit(f"error: the server did not listen within {timeout_s:.0f} s "
-                         f"(--server_start_timeout):\n" + "".join(self.output[-20:]))
-      if line is None:
-        raise SystemExit(f"error: the server exited ({self.process.wait()}):\n" +
-                         "".join(self.output[-20:]))
-      if (found := re.match(r"serving on (http://\S+) ", line)):
-        self.url = found.group(1)
-        return
-      print(f"[server] {line}", end="", flush=True)  # its start-up: the compile's progress
-
-  def _read(self) -> None:
-    for line in self.process.stdout:  # drained to the end, so the server never blocks on it
-      self.output.append(line)
-      self.lines.put(line)
-    self.lines.put(None)
-
-  def stop(self) -> None:
-    if self.process.poll() is None:
-      self.process.send_signal(signal.SIGTERM)
-      try:
-        self.process.wait(timeout=60)
-      except subprocess.TimeoutExpired:
-        self.process.kill()
-        self.process.wait()
-
 
 def local_url(url: str) -> str:
   parsed = urllib.parse.urlparse(url)
