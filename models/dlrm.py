@@ -164,12 +164,8 @@ class DLRM(nnx.Module):
     tables = [getattr(self, f"table{t}")[...] for t in range(len(cfg.table_rows))]
     if cfg.hash_ids:
       ids = embedding_bag.hash_ids(ids, jnp.asarray(cfg.table_rows)[None, :, None])
-    if embedding_bag.replicated():  # one gather for every table
-      stacked = embedding_bag.lookup_stacked(tables, ids, lengths, pooling=cfg.pooling)
-      pooled = [stacked.reshape(stacked.shape[0], -1)]
-    else:
-      pooled = [embedding_bag.lookup(table, ids[:, t], lengths[:, t], pooling=cfg.pooling,
-                                     name=f"table{t}") for t, table in enumerate(tables)]
+    stacked = embedding_bag.lookup_stacked(tables, ids, lengths, pooling=cfg.pooling)
+    pooled = [stacked.reshape(stacked.shape[0], -1)]
     if cfg.dense_features:
       pooled.insert(0, jax.nn.relu(self.bottom(dense.astype(jnp.float32))))
     x0 = jnp.concatenate(pooled, axis=1)

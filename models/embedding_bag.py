@@ -10,9 +10,9 @@ features) and pooled into one vector per example, on any mesh without ever movin
 - `sum` pools sum(w x row); `mean` divides that by the bag's length (0 for an empty bag).
 
 Ids from the wild go through `hash_ids` first (Knuth's multiplicative hash, stated there).
-Tables that no mesh axis splits (one device, or rules that place them whole) can be looked up
-all at once with `lookup_stacked`: one gather from the tables stacked row-wise, as TorchRec's
-table-batched embeddings do, where a lookup per table launches its own ops.
+Many tables of one width, replicated or row-wise, are looked up all at once with
+`lookup_stacked`: one gather from their rows stacked, and one pair of collectives for all of
+them, as TorchRec's table-batched embeddings do, where a lookup per table launches its own.
 
 Placement follows the active rules (sharding.activation_rules) for the table's two axes:
 - **replicated**: each device pools its batch block's bags from its own copy;
@@ -53,31 +53,59 @@ def hash_ids(ids: jax.Array, rows) -> jax.Array:
   return (hashed % jnp.asarray(rows, jnp.uint32)).astype(jnp.int32)
 
 
-def replicated() -> bool:
-  """Whether the active rules split neither table axis over more than one device: every
-  device holds whole tables (one device, or the rules place tables whole)."""
-  return sharding.active_ways(TABLE[0]) == sharding.active_ways(TABLE[1]) == 1
-
-
 def lookup_stacked(tables: Sequence[jax.Array], ids: jax.Array, lengths: jax.Array, *,
-                   pooling: str = "sum") -> jax.Array:
-  """(batch, T, dim): every table's bags in one gather from the tables stacked row-wise, as
-  TorchRec's table-batched lookups do; for tables of one width that no mesh axis splits
-  (`replicated()`). `ids` (batch, T, max_bag) are rows of their own table, `lengths`
-  (batch, T); equal to T calls of `lookup`, without T sets of ops to launch."""
+                   pooling: str = "sum", names: Sequence[str] | None = None) -> jax.Array:
+  """(batch, T, dim): every table's bags at once, for T tables of one width placed alike,
+  equal to T calls of `lookup`. `ids` (batch, T, max_bag) are rows of their own table,
+  `lengths` (batch, T). Tables that are replicated or row-wise are looked up as TorchRec's
+  table-batched embeddings are: their (local) rows stacked, one gather for every bag, and for
+  row-wise tables one all-gather of the ids and one reduce-scatter of the pooled rows in all,
+  not one per table. Column-wise tables take one `lookup` each."""
   if pooling not in POOLINGS:
     raise ValueError(f"pooling={pooling!r} is unknown; choose one of {', '.join(POOLINGS)}")
-  _check_stored_as_computed("tables")
-  rows = [t.shape[0] for t in tables]
-  starts = jnp.asarray([sum(rows[:i]) for i in range(len(rows))], jnp.int32)[None, :, None]
-  inside = ((ids >= 0) & (ids < jnp.asarray(rows, jnp.int32)[None, :, None])
+  names = list(names or (f"table{t}" for t in range(len(tables))))
+  rows_axes, cols_axes = sharding.active_axes(TABLE[0]), sharding.active_axes(TABLE[1])
+  if cols_axes:
+    return jnp.stack([lookup(table, ids[:, t], lengths[:, t], pooling=pooling, name=names[t])
+                      for t, table in enumerate(tables)], axis=1)
+  _check_stored_as_computed(names[0])
+  rows = jnp.asarray([t.shape[0] for t in tables], jnp.int32)[None, :, None]
+  inside = ((ids >= 0) & (ids < rows)
             & (jnp.arange(ids.shape[2])[None, None, :] < lengths[:, :, None]))
-  stacked = jnp.concatenate(tables, axis=0)
-  gathered = jnp.take(stacked, jnp.where(inside, ids + starts, 0), axis=0)
-  pooled = jnp.einsum("btk,btkd->btd", inside.astype(stacked.dtype), gathered)
+  weights = inside.astype(tables[0].dtype)
+  ids = jnp.where(inside, ids, 0)
+  batch_axes = sharding.active_axes("batch")
+  gather = tuple(a for a in batch_axes if a in rows_axes)
+  per_device = functools.partial(_stacked_per_device, rows_axes=rows_axes, gather=gather)
+  bags = ("batch", None, None)
+  pooled = sharding.shard_map(per_device, in_axes=((TABLE,) * len(tables), bags, bags),
+                              out_axes=bags)(tuple(tables), ids, weights)
   if pooling == "mean":
     return pooled / jnp.maximum(lengths, 1).astype(pooled.dtype)[:, :, None]
   return pooled
+
+
+def _stacked_per_device(blocks, ids, weights, *, rows_axes: Sequence[str],
+                        gather: tuple[str, ...]):
+  """This device's rows of every table, stacked, pooled for every bag of its `gather` group
+  (each device's own bags when the tables are replicated), summed back over the rows' axes."""
+  if gather:
+    ids = jax.lax.all_gather(ids, gather, axis=0, tiled=True)
+    weights = jax.lax.all_gather(weights, gather, axis=0, tiled=True)
+  local_rows = [b.shape[0] for b in blocks]
+  starts = jnp.asarray([sum(local_rows[:i]) for i in range(len(blocks))], jnp.int32)
+  local = ids
+  if rows_axes:
+    local = ids - jax.lax.axis_index(tuple(rows_axes)) * jnp.asarray(local_rows)[None, :, None]
+    mine = (local >= 0) & (local < jnp.asarray(local_rows)[None, :, None])
+    local, weights = jnp.where(mine, local, 0), jnp.where(mine, weights, 0)
+  stacked = jnp.concatenate(blocks, axis=0)
+  pooled = jnp.einsum("btk,btkd->btd", weights,
+                      jnp.take(stacked, local + starts[None, :, None], axis=0))
+  if gather:
+    pooled = jax.lax.psum_scatter(pooled, gather, scatter_dimension=0, tiled=True)
+  rest = tuple(a for a in rows_axes if a not in gather)
+  return jax.lax.psum(pooled, rest) if rest else pooled
 
 
 def reference(table, ids, lengths, weights=None, pooling: str = "sum") -> jax.Array:

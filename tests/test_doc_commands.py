@@ -57,6 +57,8 @@ SERVER_START_TIMEOUT_S = 300
 
 # pattern (re.search in the command) -> why it does not run here. Reviewed: keep it short.
 SKIP = {
+    r"torch_score_server\.py": "a server with no client in its block; the documented "
+                                "bench_score.py command starts it and sends it requests",
     r"^make demo": "the whole demo (2-8 min); its command (experiments/lm.py's launch, the "
                    "README tour's train command) runs here with 3 steps",
     r"^make test": "the test suite itself",
@@ -194,6 +196,9 @@ FULL = {
     r"scripts/bench/bench_serve\.py": (
         tiers.COMMAND, f"{_SERVING}/test_openai_api.py::"
                        "test_bench_serve_quick_reports_every_column"),
+    r"bench_train\.py --baseline=\. ": (
+        tiers.COMMAND, "tests/scripts/test_bench_attention_and_train.py::"
+                       "test_train_benchmark_against_this_checkout"),
     r"scripts/bench/bench_attention\.py": (
         tiers.COMMAND, "tests/scripts/test_bench_attention_and_train.py::"
                        "test_attention_benchmark_times_both_implementations"),

@@ -5,6 +5,12 @@ this checkout against another.
   python scripts/bench/bench_train.py --baseline=/tmp/base --devices=8
   python scripts/bench/bench_train.py --baseline=/tmp/base --devices=1
   python scripts/bench/bench_train.py --baseline=/tmp/base --config=experiments/lm.py:cpu  # the demo
+  python scripts/bench/bench_train.py --baseline=. --config=experiments/dlrm.py:cpu \
+    --baseline_overrides=sharding.param_overrides=,sharding.activation_overrides=
+
+The last compares two settings of one checkout: `--baseline=.` is this checkout, and
+--baseline_overrides are config overrides of the baseline's runs only (there: the DLRM's
+tables replicated against the experiment's row-wise tables).
 
 The benchmark model is scripts/bench/bench_step.py's: d_model 256, 4 layers, 4 heads, MLP 1024,
 vocabulary 32000, 8 sequences of 256 tokens, float32, synthetic data, fsdp over every device;
@@ -38,15 +44,19 @@ _STEPS = flags.DEFINE_integer("steps", 60, "Training steps per run.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Steps per progress line.")
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 900, "Limit for one training run, in seconds.")
 _JSON = flags.DEFINE_string("json", "", "Write the numbers as JSON here.")
+_BASELINE_OVERRIDES = flags.DEFINE_list(
+    "baseline_overrides", [], "Config overrides (key=value, comma separated; an empty value "
+    "sets '') of the baseline's runs only.")
 
 MODEL = dict(vocab_size=32000, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, mlp_dim=1024)
-RATE = re.compile(r"^step \d+/\d+ \|.* \| ([\d,]+) (tok|img)/s")
-UNITS = {"tok": "tokens/s", "img": "images/s"}
+RATE = re.compile(r"^step \d+/\d+ \|.* \| ([\d,]+) (tok|img|ex)/s")
+UNITS = {"tok": "tokens/s", "img": "images/s", "ex": "examples/s"}
 
 
-def command(steps: int, log_every: int, workdir: str, config: str = "") -> list[str]:
+def command(steps: int, log_every: int, workdir: str, config: str = "",
+            extra: tuple[str, ...] = ()) -> list[str]:
   """The `toolkit.train` command line of one benchmark run: the benchmark model, or the
-  experiment `config` as it is."""
+  experiment `config` as it is; `extra` overrides (key=value) last."""
   overrides = {"train.steps": steps, "train.log_every": log_every, "train.eval_every": steps,
                "train.checkpoint_every": steps, "train.sample_tokens": 0}
   if not config:
@@ -55,17 +65,18 @@ def command(steps: int, log_every: int, workdir: str, config: str = "") -> list[
                       "data.global_batch_size": 8, "mesh.ici": "data:1,fsdp:-1,tensor:1",
                       "sharding.preset": "fsdp"})
   return [sys.executable, "-m", "toolkit.train", f"--config={config or 'experiments/lm.py'}",
-          f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in overrides.items())]
+          f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in overrides.items()),
+          *(f"--config.{o}" for o in extra)]
 
 
 def rate(checkout: str, devices: int, steps: int, log_every: int, timeout_s: int,
-         config: str = "") -> tuple[float, str]:
+         config: str = "", extra: tuple[str, ...] = ()) -> tuple[float, str]:
   """One training run in `checkout`: the median rate of its progress lines after the first,
   and its unit (tokens/s, or images/s for an image model)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": checkout,
          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   with tempfile.TemporaryDirectory() as workdir:
-    done = subprocess.run(command(steps, log_every, os.path.join(workdir, "run"), config),
+    done = subprocess.run(command(steps, log_every, os.path.join(workdir, "run"), config, extra),
                           cwd=checkout, env=env, capture_output=True, text=True,
                           timeout=timeout_s, check=False)
   if done.returncode:
@@ -94,8 +105,9 @@ def main(argv) -> None:
   rounds = {"this": [], "baseline": []}
   for r in range(_ROUNDS.value):
     for name, checkout in (("baseline", baseline), ("this", this)):
+      extra = tuple(_BASELINE_OVERRIDES.value) if name == "baseline" else ()
       value, unit = rate(checkout, _DEVICES.value, _STEPS.value, _LOG_EVERY.value,
-                         _TIMEOUT.value, _CONFIG.value)
+                         _TIMEOUT.value, _CONFIG.value, extra)
       rounds[name].append(value)
       print(f"round {r + 1}/{_ROUNDS.value}: {name:8s} {value:9,.0f} {unit}", flush=True)
   medians = {k: statistics.median(v) for k, v in rounds.items()}

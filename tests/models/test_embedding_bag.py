@@ -79,12 +79,20 @@ def test_a_sharded_lookup_and_its_gradient_equal_one_devices_take(ici, overrides
   np.testing.assert_array_equal(want[0], np.zeros(DIM))
 
 
+def _stacked_one(table, ids, lengths, weights, pooling):
+  """lookup_stacked of one table (its per-id weights aside)."""
+  del weights
+  return embedding_bag.lookup_stacked((table,), ids[:, None], lengths[:, None],
+                                      pooling=pooling)[:, 0]
+
+
+@pytest.mark.parametrize("lookup", [embedding_bag.lookup, _stacked_one], ids=["one", "stacked"])
 @pytest.mark.parametrize("ici,overrides,name", PLACEMENTS[1:], ids=[p[2] for p in PLACEMENTS[1:]])
-def test_no_collective_moves_a_whole_table(ici, overrides, name):
+def test_no_collective_moves_a_whole_table(ici, overrides, name, lookup):
   """Forward and backward of a split table: every collective's operand is smaller than the
   table (ids, pooled rows and their gradients cross the network, never the table)."""
   del name
-  step, _ = _on_mesh(ici, overrides, jax.grad(_loss(embedding_bag.lookup, "sum")))
+  step, _ = _on_mesh(ici, overrides, jax.grad(_loss(lookup, "sum")))
   hlo = step.lower(*_bags()).compile().as_text()
   collectives = re.findall(r"= (\w+)\[([\d,]*)\][^=]*? (all-gather|all-reduce|all-to-all|"
                            r"reduce-scatter|collective-permute)\(", hlo)
@@ -133,12 +141,13 @@ def test_an_unknown_pooling_names_the_choices():
 
 
 @pytest.mark.parametrize("pooling", embedding_bag.POOLINGS)
-def test_the_stacked_lookup_equals_one_lookup_per_table(pooling):
-  """Replicated tables of three sizes in one gather (what DLRM does when no axis splits its
-  tables): each table's pooled bags and its gradient equal that table's own `jnp.take`, on 8
-  devices with the batch split; ids past a table's end add nothing."""
+@pytest.mark.parametrize("ici,overrides,name", PLACEMENTS, ids=[p[2] for p in PLACEMENTS])
+def test_the_stacked_lookup_equals_one_lookup_per_table(ici, overrides, name, pooling):
+  """Tables of three sizes looked up at once (DLRM's lookup) on 8 devices, in every placement:
+  each table's pooled bags and its gradient equal that table's own `jnp.take` on one device;
+  ids past a table's end add nothing."""
   rng = np.random.default_rng(3)
-  tables = [rng.normal(size=(rows, DIM)).astype(np.float32) for rows in (64, 8, 24)]
+  tables = tuple(rng.normal(size=(rows, DIM)).astype(np.float32) for rows in (64, 8, 24))
   ids = np.stack([_bags(seed)[1] % (rows + 2) for seed, rows in enumerate((64, 8, 24))], axis=1)
   lengths = rng.integers(0, MAX_BAG + 1, size=(BATCH, 3)).astype(np.int32)
   cotangent = jnp.asarray(rng.normal(size=(BATCH, 3, DIM)), jnp.float32)
@@ -153,15 +162,17 @@ def test_the_stacked_lookup_equals_one_lookup_per_table(pooling):
                               for i, t in enumerate(tables)], axis=1) * cotangent)
 
   want = jax.jit(jax.value_and_grad(each))(tables, ids, lengths)
-  mesh = sharding.make_mesh(sharding.parse_axis_sizes("data:2,fsdp:4", "mesh.ici"))
-  rules = sharding.Rules.preset("dp")
+  mesh = sharding.make_mesh(sharding.parse_axis_sizes(ici, "mesh.ici"))
+  rules = sharding.Rules.preset("dp", param_overrides=overrides,
+                                activation_overrides=overrides)
+  table_sharding = NamedSharding(mesh, rules.param_spec(embedding_bag.TABLE, mesh))
 
   def under_rules(*args):
     with sharding.activation_rules(rules, mesh):
-      assert embedding_bag.replicated()
       return jax.value_and_grad(stacked)(*args)
 
-  got = jax.jit(under_rules)(tables, ids, lengths)
+  got = jax.jit(under_rules, in_shardings=((table_sharding,) * 3, None, None))(
+      tables, ids, lengths)
   np.testing.assert_allclose(got[0], want[0], **TOLERANCE)
   for g, w in zip(got[1], want[1]):
     np.testing.assert_allclose(g, w, **TOLERANCE)

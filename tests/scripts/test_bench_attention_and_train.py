@@ -51,7 +51,9 @@ def progress_rates() -> dict:
                    for unit, line in lines.items()},
           "units": bench_train.UNITS,
           "benchmark": bench_train.command(60, 10, "w"),
-          "demo": bench_train.command(60, 10, "w", "experiments/lm.py:cpu")}
+          "demo": bench_train.command(60, 10, "w", "experiments/lm.py:cpu"),
+          "placements": bench_train.command(60, 10, "w", "experiments/dlrm.py:cpu", (
+              "sharding.param_overrides=", "sharding.activation_overrides="))}
 
 
 def test_train_benchmark_reads_the_loops_progress_lines_and_builds_both_kinds_of_run():
@@ -59,8 +61,10 @@ def test_train_benchmark_reads_the_loops_progress_lines_and_builds_both_kinds_of
   the benchmark model's overrides, or an experiment as it is."""
   got = preloaded.call("tests.scripts.test_bench_attention_and_train:progress_rates",
                        timeout=120)
-  assert got["read"] == {"tok": ["4,000", "tok"], "img": ["4,000", "img"]}
-  assert got["units"] == {"tok": "tokens/s", "img": "images/s"}
+  assert got["read"] == {"tok": ["4,000", "tok"], "img": ["4,000", "img"], "ex": ["4,000", "ex"]}
+  assert got["units"] == {"tok": "tokens/s", "img": "images/s", "ex": "examples/s"}
+  assert got["placements"][-2:] == ["--config.sharding.param_overrides=",
+                                    "--config.sharding.activation_overrides="]
   assert "--config=experiments/lm.py" in got["benchmark"]
   assert "--config.model.vocab_size=32000" in got["benchmark"]
   assert "--config=experiments/lm.py:cpu" in got["demo"]
@@ -78,14 +82,15 @@ def test_train_benchmark_refuses_an_experiment_that_is_not_there(tmp_path):
 
 @pytest.mark.slow  # two runs of the tiny ViT, each a new interpreter: 14 s quiet
 def test_train_benchmark_against_this_checkout(tmp_path):
-  """This checkout as its own baseline, an experiment as it is (the tiny ViT: images/s): both
-  sides run and are compared."""
+  """This checkout as its own baseline with other settings (the tiny DLRM, examples/s, its
+  tables replicated against row-wise): both sides run and are compared."""
   out = _run(["scripts/bench/bench_train.py", f"--baseline={REPO}", "--devices=2", "--rounds=1",
-              "--config=experiments/vit.py:tiny", "--steps=6", "--log_every=2",
+              "--config=experiments/dlrm.py:tiny", "--steps=6", "--log_every=2",
+              "--baseline_overrides=sharding.param_overrides=,sharding.activation_overrides=",
               f"--json={tmp_path / 't.json'}"], 900)
   result = json.loads((tmp_path / "t.json").read_text())
   assert result["devices"] == 2 and len(result["rounds"]["this"]) == 1
-  assert result["unit"] == "images/s" and result["config"] == "experiments/vit.py:tiny"
+  assert result["unit"] == "examples/s" and result["config"] == "experiments/dlrm.py:tiny"
   assert result["ratio"] == pytest.approx(result["medians"]["this"]
                                           / result["medians"]["baseline"])
-  assert "experiments/vit.py:tiny, 2 device(s): this" in out
+  assert "experiments/dlrm.py:tiny, 2 device(s): this" in out
