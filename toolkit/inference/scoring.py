@@ -3,7 +3,7 @@ items in, N click probabilities out, with the candidates of many concurrent requ
 together (dynamic batching, as TorchServe and Triton batch).
 
   scorer = Scorer(graphdef, params, mesh, rules, max_batch=2048)
-  batcher = ScoreBatcher(scorer, max_wait_s=0.002, max_queue=1024)
+  batcher = ScoreBatcher(scorer, max_wait_s=0.0, max_queue=1024)
   threading.Thread(target=batcher.run, args=(stop,)).start()
   job = Job.of(dense, ids, lengths, on_done)   # (n, F) float32, (n, T, bag) int32, (n, T) int32
   batcher.submit(job)                          # on_done(job) runs on the batcher's thread
@@ -12,7 +12,9 @@ together (dynamic batching, as TorchServe and Triton batch).
 splits the batch, up to `max_batch`) and pads each call to the smallest bucket that holds it.
 `ScoreBatcher.run` takes the first waiting job, then keeps taking jobs until `max_batch`
 candidates are gathered or `max_wait_s` has passed since the first, and scores them in one
-call. A job never splits: it waits for the next call if it does not fit this one.
+call. With `max_wait_s=0` (the server's default) a call takes only the jobs already waiting:
+under load they gather while the previous call runs, and a lone request never waits. A job
+never splits: it waits for the next call if it does not fit this one.
 """
 from __future__ import annotations
 
@@ -96,7 +98,7 @@ def _buckets(max_batch: int, ways: int) -> tuple[int, ...]:
 class ScoreBatcher:
   """A queue of jobs and the loop that scores them in batches (one thread owns the devices)."""
 
-  def __init__(self, scorer: Scorer, max_wait_s: float = 0.002, max_queue: int = 1024,
+  def __init__(self, scorer: Scorer, max_wait_s: float = 0.0, max_queue: int = 1024,
                max_batch: int | None = None):
     self.scorer, self.max_wait_s = scorer, max_wait_s
     self.max_batch = min(max_batch or scorer.max_batch, scorer.max_batch)  # a call's candidates
