@@ -78,6 +78,9 @@ def test_the_handlers_before_the_loop_come_back_after_it():
 # process silently (status -15).
 _WHILE_COMPILING = """
 import os, runpy, signal, sys, time
+# Ctrl-C as a terminal's command has it: a suite started in the background by a script (a
+# non-interactive shell) hands its processes SIGINT ignored (POSIX), where this test failed.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from toolkit.training import loop
 def compile_steps(*args, **kwargs):
   os.kill(os.getpid(), signal.{signal})
