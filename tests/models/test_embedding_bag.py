@@ -40,9 +40,10 @@ def _bags(seed: int = 0):
   return table, ids, lengths, weights
 
 
-def _on_mesh(ici: str, overrides: str, fn):
+def _on_mesh(ici: str, overrides: str, fn, tables: int = 0):
   """`fn(table, ids, lengths, weights)` jitted on the mesh under the rules, its table stored
-  as the parameter rules say; returns (the jitted function, the mesh, the table's sharding)."""
+  as the parameter rules say; returns (the jitted function, the table's sharding). With
+  `tables`, `fn(tables, ids, lengths)` takes a tuple of that many tables stored alike."""
   mesh = sharding.make_mesh(sharding.parse_axis_sizes(ici, "mesh.ici"))
   rules = sharding.Rules.preset("dp", param_overrides=overrides,
                                 activation_overrides=overrides)
@@ -52,7 +53,9 @@ def _on_mesh(ici: str, overrides: str, fn):
     with sharding.activation_rules(rules, mesh):
       return fn(*args)
 
-  return jax.jit(under_rules, in_shardings=(table_sharding, None, None, None)), table_sharding
+  shardings = ((table_sharding,) * tables, None, None) if tables else (
+      table_sharding, None, None, None)
+  return jax.jit(under_rules, in_shardings=shardings), table_sharding
 
 
 def _loss(lookup, pooling):
@@ -162,17 +165,8 @@ def test_the_stacked_lookup_equals_one_lookup_per_table(ici, overrides, name, po
                               for i, t in enumerate(tables)], axis=1) * cotangent)
 
   want = jax.jit(jax.value_and_grad(each))(tables, ids, lengths)
-  mesh = sharding.make_mesh(sharding.parse_axis_sizes(ici, "mesh.ici"))
-  rules = sharding.Rules.preset("dp", param_overrides=overrides,
-                                activation_overrides=overrides)
-  table_sharding = NamedSharding(mesh, rules.param_spec(embedding_bag.TABLE, mesh))
-
-  def under_rules(*args):
-    with sharding.activation_rules(rules, mesh):
-      return jax.value_and_grad(stacked)(*args)
-
-  got = jax.jit(under_rules, in_shardings=((table_sharding,) * 3, None, None))(
-      tables, ids, lengths)
+  step, _ = _on_mesh(ici, overrides, jax.value_and_grad(stacked), tables=len(tables))
+  got = step(tables, ids, lengths)
   np.testing.assert_allclose(got[0], want[0], **TOLERANCE)
   for g, w in zip(got[1], want[1]):
     np.testing.assert_allclose(g, w, **TOLERANCE)
